@@ -1,0 +1,1 @@
+"""Device kernels, each beside a plain-torch reference implementation."""

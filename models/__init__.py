@@ -1,0 +1,1 @@
+"""Model architectures (targets and drafters) and weight loading."""

@@ -1,0 +1,1 @@
+"""FX-graph passes (compile path)."""

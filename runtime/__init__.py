@@ -1,0 +1,1 @@
+"""Thin runtime: KV cache, scheduling, drafting on host, sampling, metrics."""

@@ -1,0 +1,1 @@
+"""Host-side drafters (proposers): one module per method."""

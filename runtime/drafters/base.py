@@ -1,0 +1,87 @@
+"""The interface every proposer (drafter) implements, and the batch view it receives."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specc.runtime.request import Request
+
+
+@dataclass
+class StepBatch:
+    """The live requests of one step, in slot order (request i sits in KV slot i).
+
+    Per-row sampling settings are tensors so drafters apply the same processors as the
+    target (the contract that keeps rejection sampling lossless).
+    """
+
+    requests: list[Request]
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, <= 0 = off
+    top_p: torch.Tensor  # [B] float32, 1.0 = off
+    is_greedy: torch.Tensor  # [B] bool
+
+    @property
+    def size(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one step.
+
+    ``draft_token_ids[b, i]`` for ``i >= num_draft_tokens[b]`` is padding. ``draft_probs``
+    is the drafter's processed distribution q at each draft position, or None for a
+    deterministic drafter (q is one-hot at the draft token: n-gram, suffix).
+    """
+
+    draft_token_ids: torch.Tensor  # [B, K] int64
+    num_draft_tokens: torch.Tensor  # [B] int64, 0..K
+    draft_probs: torch.Tensor | None = None  # [B, K, V] float32
+
+    @property
+    def width(self) -> int:
+        return self.draft_token_ids.shape[1]
+
+
+class Proposer(ABC):
+    """A drafting method. The engine calls, per request and step, in this order:
+    ``prefill`` once at admission, then each step ``propose`` → target verify →
+    ``on_verified``; ``move_slot`` when a request changes KV slot.
+    """
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def prefill(self, request: Request, slot: int) -> None:
+        """Prepare per-request state after the target's prefill (default: nothing)."""
+
+    @abstractmethod
+    def propose(self, batch: StepBatch, max_drafts: list[int], uniforms: torch.Tensor) -> Proposal:
+        """Propose up to ``max_drafts[b]`` tokens after each request's last token.
+
+        Args:
+            batch: the live requests in slot order.
+            max_drafts: per row, the most draft tokens worth verifying (0..k).
+            uniforms: ``[B, k]`` float32 in [0, 1) from each request's generator, for a
+                drafter that samples; a deterministic drafter ignores them.
+        """
+
+    def on_verified(self, batch: StepBatch, num_accepted: list[int]) -> None:
+        """Called after accept/reject with each row's accepted draft count."""
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """The request in slot ``src`` moved to slot ``dst`` (its old slot is free)."""
+
+
+def pad_drafts(drafts: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack ragged per-row draft lists into ``([B, K] int64, [B] int64)`` (pad value 0)."""
+    k = width if width is not None else max((len(d) for d in drafts), default=0)
+    ids = torch.zeros(len(drafts), k, dtype=torch.long)
+    for b, d in enumerate(drafts):
+        if d:
+            ids[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+    return ids, torch.tensor([len(d) for d in drafts], dtype=torch.long)

@@ -1,0 +1,53 @@
+"""Build the proposer that ``speculative_config`` asks for."""
+
+from __future__ import annotations
+
+from specc.config import ConfigError, SpeccConfig
+from specc.models.kv_cache import KVCache
+from specc.models.loader import LoadedModel, load_model
+from specc.runtime.drafters.base import Proposer
+
+
+def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCache) -> Proposer | None:
+    """Return the drafter for ``config.speculative_config`` (None: no speculation).
+
+    Raises:
+        ConfigError: the drafter does not fit the target (too many early-exit layers, a
+            draft model whose tokenizer differs from the target's).
+    """
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        from specc.runtime.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from specc.runtime.drafters.draft_model import DraftModelProposer
+
+        if spec.num_draft_layers is not None:
+            spec.check_against_target(target.config.num_hidden_layers)
+            return DraftModelProposer(
+                target.model, k, target_cache, target.config.vocab_size,
+                num_layers=spec.num_draft_layers, shares_target_cache=True,
+            )
+        drafter = load_model(spec.model, dtype=config.torch_dtype, device=config.device)
+        _check_same_tokenizer(target, drafter, spec.model)
+        c = drafter.config
+        cache = KVCache(
+            c.num_hidden_layers, target_cache.num_slots, c.num_key_value_heads,
+            target_cache.max_model_len, c.head_dim, config.torch_dtype, config.device,
+        )
+        return DraftModelProposer(drafter.model, k, cache, target.config.vocab_size)
+    raise ConfigError(f"speculative_config.method = {spec.method!r} is not implemented yet")
+
+
+def _check_same_tokenizer(target: LoadedModel, drafter: LoadedModel, name: str) -> None:
+    a, b = target.tokenizer, drafter.tokenizer
+    probe = "Hello, world! 123 héllo\n  def f(x):"
+    if a.encode(probe) != b.encode(probe) or a.eos_token_id != b.eos_token_id:
+        raise ConfigError(
+            f"speculative_config.model = {name!r}: its tokenizer differs from the target's; "
+            "method 'draft_model' needs the same tokenizer (pick a drafter of the same family)"
+        )

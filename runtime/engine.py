@@ -1,0 +1,209 @@
+"""The eager step loop: admit → prefill → (draft → verify → accept/reject) → stop checks.
+
+This is the reference path: every compiled program must match it token for token.
+
+One step for B live requests (request i in KV slot i):
+
+1. each row draws ``2k + 1`` uniforms from its own generator (k for a sampling drafter,
+   k for accept tests, 1 for the recovered/bonus token), always the same count, so a seeded
+   request is reproducible whatever it is batched with;
+2. the proposer drafts up to ``max_new_drafts`` tokens per row;
+3. the target verifies ``[last_token, d_1 .. d_n]`` in one forward (rows with fewer drafts
+   are padded at the cache's trash position);
+4. :func:`specc.kernels.rejection_sampler.rejection_sample` accepts a prefix and adds one
+   recovered or bonus token, on the device, as tensor code;
+5. only the accepted counts and tokens come back to the host, which applies stop checks,
+   logprobs and counters. Rejected positions need no rollback: their K/V lies beyond the
+   sequence's length and is rewritten before any query can see it.
+
+Non-speculative decoding is the same step with no drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from specc.kernels.rejection_sampler import rejection_sample
+from specc.models.kv_cache import KVCache
+from specc.models.llama import LlamaForCausalLM
+from specc.outputs import TokenLogprob
+from specc.runtime.drafters.base import Proposer, StepBatch
+from specc.runtime.request import Request
+from specc.runtime.sampling import compute_logprobs, process_logits, sample_from_probs
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (bounds the logits' memory)
+
+
+class Engine:
+    """Runs requests to completion on one target model and an optional proposer.
+
+    Args:
+        model: the target.
+        kv_cache: ``num_slots`` = max_num_seqs, length max_model_len + 1 (trash position).
+        detokenize: ``list[int] -> str`` (stop strings, streaming).
+        proposer: the drafter, or None for non-speculative decoding.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        detokenize: Callable[[list[int]], str],
+        proposer: Proposer | None = None,
+    ):
+        self.model = model
+        self.cache = kv_cache
+        self.detokenize = detokenize
+        self.proposer = proposer
+        self.k = proposer.num_speculative_tokens if proposer else 0
+
+    # -- public --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, requests: list[Request], on_step: Callable[[list[Request]], None] | None = None) -> None:
+        """Generate until every request finishes. Requests are admitted in order as KV slots
+        free up (continuous batching); ``on_step(live_or_just_finished)`` runs after each
+        step, for streaming."""
+        waiting = deque(requests)
+        running: list[Request] = []
+        while waiting or running:
+            while waiting and len(running) < self.cache.num_slots:
+                req = waiting.popleft()
+                running.append(req)
+                self._prefill(req, len(running) - 1)
+            touched = list(running)
+            if any(not r.finished for r in running):
+                self._step([r for r in running])
+            for req in [r for r in running if r.finished]:
+                self._release(running, req)
+                req.metrics.total_time = time.perf_counter() - req.arrival_time
+            if on_step is not None:
+                on_step(touched)
+
+    # -- internals -----------------------------------------------------------------------
+    def _release(self, running: list[Request], req: Request) -> None:
+        """Free ``req``'s slot; the request in the last slot moves into it."""
+        i, last = running.index(req), len(running) - 1
+        if i != last:
+            self.cache.copy_slot(last, i)
+            if self.proposer is not None:
+                self.proposer.move_slot(last, i)
+            running[i] = running[last]
+        running.pop()
+
+    def _prefill(self, req: Request, slot: int) -> None:
+        """Write the prompt's K/V into ``slot`` and sample the first output token."""
+        ids = req.prompt_token_ids
+        cache = self.cache.slots(slot, slot + 1)
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            piece = torch.tensor([ids[start : start + PREFILL_CHUNK]], dtype=torch.long)
+            pos = torch.arange(start, start + piece.shape[1], dtype=torch.long)[None]
+            out = self.model(piece, pos, cache, kv_len=start + piece.shape[1])
+        req.num_computed = len(ids)
+        logits = out.logits[:, -1]  # [1, V]
+        batch = self._batch([req])
+        processed = process_logits(logits, batch.temperature, batch.top_k, batch.top_p)
+        u = torch.rand(1, generator=req.generator)
+        if bool(batch.is_greedy[0]):
+            tok = logits.argmax(-1)
+        else:
+            tok = sample_from_probs(torch.softmax(processed, -1), u)
+        self._emit(req, [int(tok)], processed, num_drafts=None)
+        req.metrics.time_to_first_token = time.perf_counter() - req.arrival_time
+        if self.proposer is not None and not req.finished:
+            self.proposer.prefill(req, slot)
+
+    def _step(self, running: list[Request]) -> None:
+        B, k = len(running), self.k
+        batch = self._batch(running)
+        uniforms = torch.stack([torch.rand(2 * k + 1, generator=r.generator) for r in running])
+        caps = [0 if r.finished else r.max_new_drafts(k) for r in running]
+
+        if self.proposer is not None and max(caps) > 0:
+            proposal = self.proposer.propose(batch, caps, uniforms[:, :k])
+            nd = torch.minimum(proposal.num_draft_tokens, torch.tensor(caps))
+            K = int(nd.max())
+            drafts = proposal.draft_token_ids[:, :K]
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[:, :K]
+        else:
+            proposal, K = None, 0
+            nd = torch.zeros(B, dtype=torch.long)
+            drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), None
+
+        # verify input: [last_token, d_1 .. d_K]; positions past each row's drafts → trash
+        last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
+        ids = torch.cat([last, drafts], dim=1)
+        start = torch.tensor([r.num_computed for r in running], dtype=torch.long)
+        offs = torch.arange(K + 1)
+        pos = start[:, None] + offs[None]
+        pos = torch.where(offs[None] <= nd[:, None], pos, torch.full_like(pos, self.cache.trash_pos))
+        kv_len = int((start + nd).max()) + 1
+        logits = self.model(ids, pos, self.cache.rows(B), kv_len=kv_len).logits  # [B, K+1, V]
+
+        V = logits.shape[-1]
+        rep = K + 1
+        processed = process_logits(
+            logits.reshape(B * rep, V),
+            batch.temperature.repeat_interleave(rep),
+            batch.top_k.repeat_interleave(rep),
+            batch.top_p.repeat_interleave(rep),
+        ).view(B, rep, V)
+        result = rejection_sample(
+            processed, drafts, nd, draft_probs, batch.is_greedy,
+            uniforms[:, k : k + K], uniforms[:, 2 * k],
+        )
+        tokens = result.output_token_ids.tolist()
+        accepted = result.num_accepted.tolist()
+        nds = nd.tolist()
+        for b, req in enumerate(running):
+            if req.finished:
+                continue
+            req.num_computed += accepted[b] + 1
+            self._emit(req, tokens[b][: accepted[b] + 1], processed[b], num_drafts=nds[b])
+        if self.proposer is not None and proposal is not None:
+            self.proposer.on_verified(batch, accepted)
+
+    def _emit(self, req: Request, tokens: list[int], processed: torch.Tensor, num_drafts: int | None) -> None:
+        """Append a step's tokens (stop checks cut them), then logprobs and counters.
+
+        ``processed``: ``[n, V]`` processed target logits at the step's positions.
+        ``num_drafts``: draft tokens verified this step (None for the prefill token).
+        """
+        kept = req.append_tokens(tokens, self.detokenize)
+        m = req.metrics
+        m.num_generation_tokens = len(req.output_token_ids)
+        m.tokens_per_step.append(kept)
+        if req.params.logprobs is not None:
+            tok = torch.tensor(tokens[:kept], dtype=torch.long)
+            lp, top_ids, top_lp = compute_logprobs(processed[:kept], tok, req.params.logprobs)
+            req.logprobs = req.logprobs or []
+            for i in range(kept):
+                top = list(zip(top_ids[i].tolist(), top_lp[i].tolist()))
+                req.logprobs.append(TokenLogprob(int(tok[i]), float(lp[i]), top))
+        if num_drafts is None:
+            return
+        m.num_steps += 1
+        if num_drafts > 0:
+            # a step's accepted count is what it emitted minus the one recovered/bonus
+            # token, so tokens after a stop never count and 1 + accepted/drafts equals
+            # the tokens emitted per verify step
+            spec = m.spec
+            spec.num_drafts += 1
+            spec.num_draft_tokens += num_drafts
+            spec.num_accepted_tokens += kept - 1
+            if len(spec.accepted_per_position) < self.k:
+                spec.accepted_per_position += [0] * (self.k - len(spec.accepted_per_position))
+            for i in range(kept - 1):
+                spec.accepted_per_position[i] += 1
+
+    @staticmethod
+    def _batch(requests: list[Request]) -> StepBatch:
+        ps = [r.params for r in requests]
+        temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        greedy = torch.tensor([p.is_greedy for p in ps], dtype=torch.bool)
+        return StepBatch(requests, temperature, top_k, top_p, greedy)

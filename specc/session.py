@@ -1,0 +1,203 @@
+"""`Session`: the Python runtime users call (`Session(config).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from specc.config import SpeccConfig, load_config
+from specc.outputs import RequestOutput, SpecMetrics
+from specc.sampling_params import SamplingParams
+
+Prompt = str | list[dict] | list[int]
+
+
+class Session:
+    """Loads a target (and drafter) from a config and generates text.
+
+    Args:
+        config: a ``model.yaml`` path, a dict with the same fields, or a
+            :class:`specc.config.SpeccConfig`.
+        verbose: print one-line progress messages (loading, conversion) to stderr.
+
+    Raises:
+        specc.config.ConfigError: the config is invalid or names weights that cannot load.
+
+    Attributes:
+        metrics: :class:`specc.outputs.SpecMetrics` summed over every request so far.
+    """
+
+    def __init__(self, config: str | os.PathLike | dict | SpeccConfig, *, verbose: bool = True):
+        from specc.models.kv_cache import KVCache
+        from specc.models.loader import load_model
+        from specc.runtime.drafters.factory import build_proposer
+        from specc.runtime.engine import Engine
+
+        self.config = load_config(config)
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
+        self.tokenizer = self.target.tokenizer
+        mc = self.target.config
+        self.kv_cache = KVCache(
+            mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,
+            cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device,
+        )
+        self.proposer = build_proposer(cfg, self.target, self.kv_cache)
+        self.engine = Engine(self.target.model, self.kv_cache, self._detokenize, self.proposer)
+        self.baseline_engine = (
+            Engine(self.target.model, self.kv_cache, self._detokenize, None) if self.proposer else self.engine
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.metrics = SpecMetrics()
+        self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
+        self._ids = itertools.count()
+        if verbose:
+            print(f"specc: loaded {cfg.target} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    # -- public --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+        use_speculation: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate a completion for each prompt; requests run batched.
+
+        Args:
+            prompts: a string, a chat conversation (``[{"role": ..., "content": ...}]``), a
+                list of token ids, or a list mixing those. Conversations get the
+                tokenizer's chat template (with the generation prompt).
+            params: one :class:`SamplingParams` for all, one per prompt, or None for the
+                config's ``sampling`` defaults.
+            chat: apply the chat template to string prompts too (``specc generate --chat``).
+            on_text: streaming callback ``(prompt_index, new_text)``; never receives text past
+                a stop string or end token.
+            use_speculation: False runs plain one-token decoding with the same weights, cache
+                and sampling code: the baseline every speed-up is measured against.
+
+        Returns:
+            one :class:`RequestOutput` per prompt, in order. A bad request (empty prompt,
+            prompt not shorter than ``max_model_len``, invalid sampling values) gets
+            ``finish_reason="error"`` and a message in ``error``; the others run normally.
+        """
+        items = _as_prompt_list(prompts)
+        plist = self._params_list(params, len(items))
+        outputs: list[RequestOutput | None] = [None] * len(items)
+        live, index_of = [], {}
+        for i, (prompt, p) in enumerate(zip(items, plist)):
+            try:
+                req = self._make_request(prompt, p, chat)
+            except (ValueError, TypeError) as e:
+                outputs[i] = RequestOutput(next(self._ids), prompt, [], "", [], "error", error=str(e))
+                continue
+            index_of[req.request_id] = i
+            live.append(req)
+
+        def stream(reqs):
+            for r in reqs:
+                delta = r.stream_delta()
+                if delta:
+                    on_text(index_of[r.request_id], delta)
+
+        engine = self.engine if use_speculation else self.baseline_engine
+        engine.run(live, on_step=stream if on_text else None)
+        for req in live:
+            if use_speculation:
+                self.metrics.add(req.metrics.spec)
+            outputs[index_of[req.request_id]] = RequestOutput(
+                request_id=req.request_id,
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                text=req.text,
+                token_ids=req.output_token_ids,
+                finish_reason=req.finish_reason,
+                logprobs=req.logprobs,
+                metrics=req.metrics,
+                stop_reason=req.stop_reason,
+            )
+        return outputs  # type: ignore[return-value]
+
+    def tokenize(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Token ids the session feeds for ``prompt`` (chat template for conversations)."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- internals -----------------------------------------------------------------------
+    def _make_request(self, prompt: Prompt, params: SamplingParams, chat: bool | None):
+        from specc.runtime.request import Request
+
+        params.validate()
+        ids = self.tokenize(prompt, chat)
+        limit = self.config.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token of prompt")
+        if len(ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
+                "prompt or raise max_model_len in the config"
+            )
+        vocab = self.target.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        return Request(
+            request_id=next(self._ids),
+            prompt=prompt,
+            prompt_token_ids=ids,
+            params=params,
+            generator=torch.Generator().manual_seed(seed),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=limit,
+        )
+
+    def _params_list(self, params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams.from_defaults(self.config.sampling) for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+        return params
+
+    def _detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for v in (self.tokenizer.eos_token_id, getattr(self.target.hf_config, "eos_token_id", None)):
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(int(x) for x in v)
+        return frozenset(ids)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    """Normalise the accepted prompt forms into a list of single prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts]  # one conversation
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one tokenized prompt
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise TypeError(
+        "prompts must be a string, a chat conversation (list of {'role', 'content'} dicts), "
+        f"a list of token ids, or a list of those; got {type(prompts).__name__}"
+    )

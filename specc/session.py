@@ -23,6 +23,9 @@ class Session:
     Args:
         config: a ``model.yaml`` path, a dict with the same fields, or a
             :class:`specc.config.SpeccConfig`.
+        proposer: a custom :class:`specc.runtime.drafters.base.Proposer` used instead of
+            the config's ``speculative_config`` (research and tests: oracle, scripted or
+            adversarial drafters).
         verbose: print one-line progress messages (loading, conversion) to stderr.
 
     Raises:
@@ -32,7 +35,13 @@ class Session:
         metrics: :class:`specc.outputs.SpecMetrics` summed over every request so far.
     """
 
-    def __init__(self, config: str | os.PathLike | dict | SpeccConfig, *, verbose: bool = True):
+    def __init__(
+        self,
+        config: str | os.PathLike | dict | SpeccConfig,
+        *,
+        proposer=None,
+        verbose: bool = True,
+    ):
         from specc.models.kv_cache import KVCache
         from specc.models.loader import load_model
         from specc.runtime.drafters.factory import build_proposer
@@ -48,7 +57,7 @@ class Session:
             mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,
             cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device,
         )
-        self.proposer = build_proposer(cfg, self.target, self.kv_cache)
+        self.proposer = proposer if proposer is not None else build_proposer(cfg, self.target, self.kv_cache)
         self.engine = Engine(self.target.model, self.kv_cache, self._detokenize, self.proposer)
         self.baseline_engine = (
             Engine(self.target.model, self.kv_cache, self._detokenize, None) if self.proposer else self.engine

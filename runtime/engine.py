@@ -34,6 +34,7 @@ from specc.outputs import TokenLogprob
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.request import Request
 from specc.runtime.sampling import compute_logprobs, process_logits, sample_from_probs
+from specc.runtime.tracing import stage, traced
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (bounds the logits' memory)
 
@@ -57,7 +58,7 @@ class Engine:
     ):
         self.model = model
         self.cache = kv_cache
-        self.detokenize = detokenize
+        self.detokenize = traced(detokenize, "specc.detokenize")
         self.proposer = proposer
         self.k = proposer.num_speculative_tokens if proposer else 0
 
@@ -73,10 +74,12 @@ class Engine:
             while waiting and len(running) < self.cache.num_slots:
                 req = waiting.popleft()
                 running.append(req)
-                self._prefill(req, len(running) - 1)
+                with stage("specc.prefill"):
+                    self._prefill(req, len(running) - 1)
             touched = list(running)
             if any(not r.finished for r in running):
-                self._step([r for r in running])
+                with stage("specc.step"):
+                    self._step([r for r in running])
             for req in [r for r in running if r.finished]:
                 self._release(running, req)
                 req.metrics.total_time = time.perf_counter() - req.arrival_time
@@ -123,7 +126,8 @@ class Engine:
         caps = [0 if r.finished else r.max_new_drafts(k) for r in running]
 
         if self.proposer is not None and max(caps) > 0:
-            proposal = self.proposer.propose(batch, caps, uniforms[:, :k])
+            with stage("specc.draft"):
+                proposal = self.proposer.propose(batch, caps, uniforms[:, :k])
             nd = torch.minimum(proposal.num_draft_tokens, torch.tensor(caps))
             K = int(nd.max())
             drafts = proposal.draft_token_ids[:, :K]
@@ -141,30 +145,36 @@ class Engine:
         pos = start[:, None] + offs[None]
         pos = torch.where(offs[None] <= nd[:, None], pos, torch.full_like(pos, self.cache.trash_pos))
         kv_len = int((start + nd).max()) + 1
-        logits = self.model(ids, pos, self.cache.rows(B), kv_len=kv_len).logits  # [B, K+1, V]
+        with stage(f"specc.verify[{K + 1}]"):
+            logits = self.model(ids, pos, self.cache.rows(B), kv_len=kv_len).logits  # [B, K+1, V]
 
-        V = logits.shape[-1]
-        rep = K + 1
-        processed = process_logits(
-            logits.reshape(B * rep, V),
-            batch.temperature.repeat_interleave(rep),
-            batch.top_k.repeat_interleave(rep),
-            batch.top_p.repeat_interleave(rep),
-        ).view(B, rep, V)
-        result = rejection_sample(
-            processed, drafts, nd, draft_probs, batch.is_greedy,
-            uniforms[:, k : k + K], uniforms[:, 2 * k],
-        )
-        tokens = result.output_token_ids.tolist()
-        accepted = result.num_accepted.tolist()
-        nds = nd.tolist()
-        for b, req in enumerate(running):
-            if req.finished:
-                continue
-            req.num_computed += accepted[b] + 1
-            self._emit(req, tokens[b][: accepted[b] + 1], processed[b], num_drafts=nds[b])
-        if self.proposer is not None and proposal is not None:
-            self.proposer.on_verified(batch, accepted)
+        with stage("specc.accept"):
+            V = logits.shape[-1]
+            rep = K + 1
+            processed = process_logits(
+                logits.reshape(B * rep, V),
+                batch.temperature.repeat_interleave(rep),
+                batch.top_k.repeat_interleave(rep),
+                batch.top_p.repeat_interleave(rep),
+            ).view(B, rep, V)
+            result = rejection_sample(
+                processed, drafts, nd, draft_probs, batch.is_greedy,
+                uniforms[:, k : k + K], uniforms[:, 2 * k],
+            )
+            tokens = result.output_token_ids.tolist()
+            accepted = result.num_accepted.tolist()
+            nds = nd.tolist()
+        with stage("specc.bookkeeping"):
+            for b, req in enumerate(running):
+                if req.finished:
+                    continue
+                # advance by the tokens kept, not the tokens the step produced: a stop
+                # inside the block drops the rest, and their K/V is no longer the request's
+                n_before = len(req.output_token_ids)
+                self._emit(req, tokens[b][: accepted[b] + 1], processed[b], num_drafts=nds[b])
+                req.num_computed += len(req.output_token_ids) - n_before
+            if self.proposer is not None and proposal is not None:
+                self.proposer.on_verified(batch, accepted)
 
     def _emit(self, req: Request, tokens: list[int], processed: torch.Tensor, num_drafts: int | None) -> None:
         """Append a step's tokens (stop checks cut them), then logprobs and counters.

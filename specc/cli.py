@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with speculation: skip the non-speculative run used to report the speed-up",
     )
     g.set_defaults(func=_generate)
+    _add_perf_commands(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -111,6 +112,104 @@ def _generate(args) -> int:
                 f"{baseline['baseline_tokens_per_second']:.1f} tok/s; outputs {same})"
             )
     return 0 if all(o.finish_reason != "error" for o in outputs) else 1
+
+
+# -- performance sessions: specc bench / specc profile (docs/bench.md) ---------------------
+QUICK_MAX_TOKENS = 64
+QUICK_MIN_PROMPTS = 4
+
+
+def _add_perf_commands(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="speed-up of speculative over non-speculative decoding (Spec-Bench table)",
+        description="Runs the config with and without speculation on the same prompts (greedy, batch 1, "
+        "interleaved, after a warm-up) and prints Spec-Bench's table: speed-up and mean accepted tokens per "
+        "category, greedy-equality check, memory. See docs/bench.md.",
+    )
+    _dataset_args(b, required=True)
+    b.add_argument("--max-tokens", type=int, metavar="N", help="new tokens per prompt (default: the config's sampling.max_tokens)")
+    b.add_argument(
+        "--baselines", type=lambda s: [x.strip() for x in s.split(",") if x.strip()], default=[],
+        metavar="hf,hf-prompt-lookup,hf-assisted", help="also time transformers' generate on the same prompts",
+    )
+    b.add_argument("--json", metavar="OUT", help="write the summary and every run to this JSON file")
+    b.add_argument("--quick", action="store_true",
+                   help=f"one prompt per category (at least {QUICK_MIN_PROMPTS}), {QUICK_MAX_TOKENS} tokens each")
+    b.set_defaults(func=_bench)
+
+    p = sub.add_parser(
+        "profile", help="time per stage (torch.profiler trace), plots, predicted vs measured speed-up",
+        description="A short benchmark, then a traced pass: per-stage times, a Chrome/Perfetto trace, PNG "
+        "plots and the speed-up Leviathan et al.'s formula predicts from the measured acceptance and costs. "
+        "See docs/bench.md.",
+    )
+    _dataset_args(p, required=True)
+    p.add_argument("--max-tokens", type=int, default=QUICK_MAX_TOKENS, metavar="N", help="new tokens per prompt (default: %(default)s)")
+    p.add_argument("--out", default="specc-profile", metavar="DIR", help="folder for traces, plots, profile.json (default: %(default)s)")
+    p.add_argument("--traced-prompts", type=int, default=2, metavar="N", help="prompts run under the profiler (default: %(default)s)")
+    p.set_defaults(func=_profile, quick=True)
+
+
+def _dataset_args(p, required: bool) -> None:
+    p.add_argument("config", help="model.yaml (see examples/)")
+    p.add_argument("--dataset", required=required, metavar="spec_bench|mt_bench|humaneval|FILE.jsonl",
+                   help="prompt set (docs/bench.md: JSONL fields)")
+    p.add_argument("--dataset-path", metavar="FILE.jsonl", help="the question.jsonl for --dataset spec_bench / mt_bench")
+    p.add_argument("--categories", nargs="+", metavar="CAT", help="only these categories")
+    p.add_argument("--num-prompts", type=int, metavar="N",
+                   help="prompts in all, taken round-robin over the categories (default: all; profile: one per category)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: yes, except for humaneval)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's); 1 avoids thread oversubscription on a busy machine")
+
+
+def _load_bench_inputs(args):
+    from specc import Session
+    from specc.datasets import load_dataset, select
+
+    ds = load_dataset(args.dataset, args.dataset_path, categories=args.categories,
+                      num_prompts=args.num_prompts, chat=args.chat)
+    if args.quick and args.num_prompts is None:
+        ds.prompts = select(ds.prompts, None, max(len(ds.categories), QUICK_MIN_PROMPTS))
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
+    session = Session(args.config)
+    if args.max_tokens is not None:
+        max_tokens = args.max_tokens
+    else:
+        max_tokens = QUICK_MAX_TOKENS if args.quick else session.config.sampling.max_tokens
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens {max_tokens}: must be >= 1")
+    return session, ds, max_tokens
+
+
+def _bench(args) -> int:
+    from specc.bench import format_report, run_bench, summarize, to_json
+
+    session, ds, max_tokens = _load_bench_inputs(args)
+    result = run_bench(session, ds, max_tokens=max_tokens, baselines=args.baselines)
+    summary = summarize(result)
+    print(format_report(summary))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(to_json(result, summary), f, indent=2)
+        print(f"wrote {args.json}")
+    spec = summary["methods"].get("spec")
+    return 1 if spec and spec["overall"].get("mismatches") else 0
+
+
+def _profile(args) -> int:
+    from specc.profile import format_profile, run_profile
+
+    session, ds, max_tokens = _load_bench_inputs(args)
+    summary = run_profile(session, ds, max_tokens=max_tokens, out_dir=args.out, num_traced=args.traced_prompts)
+    print(format_profile(summary))
+    return 0
 
 
 if __name__ == "__main__":

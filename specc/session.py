@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from specc.config import SpeccConfig, load_config
-from specc.outputs import RequestOutput, SpecMetrics
+from specc.config import ConfigError, SpeccConfig, load_config
+from specc.outputs import RequestMetrics, RequestOutput, SpecMetrics
 from specc.sampling_params import SamplingParams
 
 Prompt = str | list[dict] | list[int]
@@ -49,15 +49,29 @@ class Session:
 
         self.config = load_config(config)
         cfg = self.config
+        label = str(config) if isinstance(config, (str, os.PathLike)) else None
+        _check_device(cfg.device, label)
         t0 = time.perf_counter()
-        self.target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
+        try:
+            self.target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
+        except ConfigError:
+            raise
+        except (FileNotFoundError, ValueError) as e:  # a target that cannot load
+            raise ConfigError(str(e), label) from e
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         self.kv_cache = KVCache(
             mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,
             cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device,
         )
-        self.proposer = proposer if proposer is not None else build_proposer(cfg, self.target, self.kv_cache)
+        try:
+            self.proposer = proposer if proposer is not None else build_proposer(cfg, self.target, self.kv_cache)
+        except ConfigError as e:
+            if label is None or e.source is not None:
+                raise
+            raise ConfigError(e.errors, label) from e  # prefix the file name, as load_config does
+        except (FileNotFoundError, ValueError) as e:  # a drafter that cannot load
+            raise ConfigError(f"speculative_config.model = {cfg.speculative_config.model!r}: {e}", label) from e
         self.engine = Engine(self.target.model, self.kv_cache, self._detokenize, self.proposer)
         self.baseline_engine = (
             Engine(self.target.model, self.kv_cache, self._detokenize, None) if self.proposer else self.engine
@@ -95,7 +109,8 @@ class Session:
 
         Returns:
             one :class:`RequestOutput` per prompt, in order. A bad request (empty prompt,
-            prompt not shorter than ``max_model_len``, invalid sampling values) gets
+            prompt not shorter than ``max_model_len``, token ids outside the vocabulary,
+            a malformed prompt or conversation, invalid sampling values) gets
             ``finish_reason="error"`` and a message in ``error``; the others run normally.
         """
         items = _as_prompt_list(prompts)
@@ -141,8 +156,19 @@ class Session:
             return list(prompt)
         if isinstance(prompt, str) and not chat:
             return self.tokenizer.encode(prompt)
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):
+            raise TypeError(
+                "a prompt must be a string, a chat conversation (list of {'role', 'content'} "
+                f"dicts) or a list of token ids (ints); got {_describe(prompt)}"
+            )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors on malformed messages: a per-request error
+            raise ValueError(
+                f"chat template failed on the conversation ({type(e).__name__}: {e}); each "
+                "message needs 'role' and 'content'"
+            ) from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- internals -----------------------------------------------------------------------
@@ -160,8 +186,13 @@ class Session:
                 "prompt or raise max_model_len in the config"
             )
         vocab = self.target.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is out of range"
+                + (f" ({len(bad)} such ids)" if len(bad) > 1 else "")
+                + f": token ids must lie in [0, {vocab}) (the model's vocab_size)"
+            )
         seed = params.seed if params.seed is not None else next(self._seeds)
         return Request(
             request_id=next(self._ids),
@@ -171,6 +202,7 @@ class Session:
             generator=torch.Generator().manual_seed(seed),
             eos_token_ids=self.eos_token_ids,
             max_model_len=limit,
+            metrics=RequestMetrics(num_prompt_tokens=len(ids)),
         )
 
     def _params_list(self, params, n: int) -> list[SamplingParams]:
@@ -210,3 +242,21 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         "prompts must be a string, a chat conversation (list of {'role', 'content'} dicts), "
         f"a list of token ids, or a list of those; got {type(prompts).__name__}"
     )
+
+
+def _describe(x) -> str:
+    """Short type description for error messages (``list containing int and str``)."""
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in x})
+        return f"{type(x).__name__} containing {' and '.join(kinds)}" if kinds else f"empty {type(x).__name__}"
+    return type(x).__name__
+
+
+def _check_device(device: str, label: str | None) -> None:
+    """ConfigError when the configured device is not usable in this process."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device = 'cuda': no CUDA device is available (torch.cuda.is_available() is False)", label)
+    if device == "npu":
+        npu = getattr(torch, "npu", None)
+        if npu is None or not npu.is_available():
+            raise ConfigError("device = 'npu': no Ascend NPU is available (is torch_npu installed and imported?)", label)

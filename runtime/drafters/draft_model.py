@@ -125,7 +125,7 @@ class DraftModelProposer(Proposer):
             return
         for b, req in enumerate(batch.requests):
             # K/V at positions < old length + accepted are the verified tokens
-            verified = req.num_computed  # engine already advanced it by accepted + 1
+            verified = req.num_computed  # engine already advanced it (accepted + 1, fewer after a stop)
             self.num_computed[b] = min(self._pending[b], verified)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:

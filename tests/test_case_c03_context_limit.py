@@ -1,0 +1,183 @@
+"""C3: context limit (../shared/cases/correctness.md).
+
+max_model_len 64, repetitive prompts of 58..63 tokens, k=5, max_tokens 100, alone and
+three batched. Checked: prompt + output <= max_model_len (here == 64: nothing else ends
+these requests); finish_reason "length"; no crash; equals non-spec; and no forward of
+the target or of a drafter puts a real token at or past the limit: every position fed
+is either < max_model_len or the cache's trash position (padding), every ``kv_len`` is
+<= max_model_len (so no real query or K/V write reached position 64), and each verify
+row is a contiguous run of real positions followed only by padding.
+
+Prompts are prefixes of the tiny model's own greedy trajectory from a looping seed, so
+greedy continues them exactly and n-gram lookup hits up to the limit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specc.runtime.drafters.base import Proposal, Proposer, pad_drafts
+from specc.sampling_params import SamplingParams
+from specc.session import Session
+
+L = 64  # max_model_len
+K = 5
+LENGTHS = list(range(58, 64))
+SEED_TOKENS = [[14090] * 8, [34200] * 8]
+METHODS = ["ngram", "draft_model", "early_exit", "cap_ignoring"]
+
+
+def greedy(max_tokens: int = 100) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+class CapIgnoringOracle(Proposer):
+    """Always proposes the next k true tokens, ignoring ``max_drafts``: the engine alone
+    must keep verify positions under the limit."""
+
+    def __init__(self, k: int, truth: dict[tuple[int, ...], list[int]]):
+        super().__init__(k)
+        self.truth = truth
+
+    def propose(self, batch, max_drafts, uniforms) -> Proposal:
+        drafts = []
+        for req in batch.requests:
+            full = self.truth[tuple(req.prompt_token_ids)]
+            n = len(req.output_token_ids)
+            drafts.append(full[n : n + self.num_speculative_tokens])
+        ids, num = pad_drafts(drafts, self.num_speculative_tokens)
+        return Proposal(ids, num, None)
+
+
+class ForwardLog:
+    """Forward pre-hook recording ``(positions, kv_len, num_layers)`` of every call."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, int | None, int | None]] = []
+
+    def __call__(self, module, args, kwargs):
+        positions = args[1] if len(args) > 1 else kwargs["positions"]
+        self.calls.append((positions.clone(), kwargs.get("kv_len"), kwargs.get("num_layers")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(model_dir, spec=None) -> dict:
+    cfg = dict(target=str(model_dir), max_model_len=L, max_num_seqs=4)
+    if spec is not None:
+        cfg["speculative_config"] = spec
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir) -> Session:
+    return Session(_cfg(tiny_llama_dir), verbose=False)
+
+
+@pytest.fixture(scope="module")
+def trajectories(base) -> list[list[int]]:
+    """Greedy trajectories of exactly L tokens (seed + continuation up to the limit)."""
+    out = []
+    for seed in SEED_TOKENS:
+        o = base.generate([seed], greedy(), use_speculation=False)[0]
+        traj = seed + o.token_ids
+        assert len(traj) == L and o.finish_reason == "length"
+        out.append(traj)
+    return out
+
+
+@pytest.fixture(scope="module")
+def truth(trajectories) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(t[:n]): t[n:] for t in trajectories for n in LENGTHS}
+
+
+@pytest.fixture(scope="module")
+def sessions(tiny_llama_dir, truth) -> dict[str, tuple[Session, list[ForwardLog]]]:
+    specs = {
+        "ngram": dict(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4),
+        "draft_model": dict(method="draft_model", num_speculative_tokens=K, model=str(tiny_llama_dir)),
+        "early_exit": dict(method="draft_model", num_speculative_tokens=K, num_draft_layers=1),
+    }
+    out = {}
+    for name in METHODS:
+        if name == "cap_ignoring":
+            s = Session(_cfg(tiny_llama_dir), proposer=CapIgnoringOracle(K, truth), verbose=False)
+        else:
+            s = Session(_cfg(tiny_llama_dir, specs[name]), verbose=False)
+        models = [s.target.model]
+        drafter = getattr(s.proposer, "model", None)
+        if drafter is not None and drafter is not s.target.model:
+            models.append(drafter)
+        logs = []
+        for mdl in models:
+            log = ForwardLog()
+            mdl.register_forward_pre_hook(log, with_kwargs=True)
+            logs.append(log)
+        out[name] = (s, logs)
+    return out
+
+
+def check_forwards(logs: list[ForwardLog]) -> None:
+    assert logs[0].calls, "the target never ran"
+    for log in logs:
+        for pos, kv_len, _ in log.calls:
+            assert bool(((pos < L) | (pos == L)).all()), f"position past the trash slot: {pos}"
+            assert kv_len is not None and kv_len <= L, f"kv_len {kv_len} reaches the limit"
+            for row in pos.tolist():
+                real = [p for p in row if p != L]
+                # real positions first and contiguous, then only padding
+                assert row[: len(real)] == real
+                if real:
+                    assert real == list(range(real[0], real[0] + len(real)))
+                    assert real[-1] < L
+        log.calls.clear()
+
+
+def check_limit(out, ref, prompt, truth_out):
+    assert len(prompt) + len(out.token_ids) <= L
+    assert out.token_ids == ref.token_ids == truth_out  # fills the context exactly
+    assert len(prompt) + len(out.token_ids) == L
+    assert out.text == ref.text
+    assert out.finish_reason == ref.finish_reason == "length"
+    assert out.metrics.num_generation_tokens == len(out.token_ids)
+    assert sum(out.metrics.tokens_per_step) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_context_limit_single(base, trajectories, sessions, method, n):
+    spec, logs = sessions[method]
+    for logs_ in logs:
+        logs_.calls.clear()
+    for traj in trajectories:
+        prompt = traj[:n]
+        out = spec.generate([prompt], greedy())[0]
+        ref = base.generate([prompt], greedy(), use_speculation=False)[0]
+        check_limit(out, ref, prompt, traj[n:])
+        if method in ("ngram", "cap_ignoring", "draft_model") and n <= L - 3:
+            # room for at least one draft after the prefill token: it was verified
+            assert out.metrics.spec.num_draft_tokens >= 1
+    check_forwards(logs)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("lengths", [(58, 60, 63), (59, 61, 62), (63, 58, 61)])
+def test_context_limit_batched(base, trajectories, sessions, method, lengths):
+    spec, logs = sessions[method]
+    for logs_ in logs:
+        logs_.calls.clear()
+    rows = [(trajectories[i % 2], n) for i, n in enumerate(lengths)]
+    prompts = [t[:n] for t, n in rows]
+    outs = spec.generate(prompts, greedy())
+    refs = base.generate(prompts, greedy(), use_speculation=False)
+    for (traj, n), prompt, out, ref in zip(rows, prompts, outs, refs):
+        check_limit(out, ref, prompt, traj[n:])
+    check_forwards(logs)

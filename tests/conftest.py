@@ -1,14 +1,19 @@
-"""Shared fixtures: the real SmolLM2-135M target and tiny random-weight models.
+"""Shared fixtures: one torch thread, the real SmolLM2-135M target and tiny random-weight models.
 
+* ``one_torch_thread`` (autouse, whole session): see its docstring.
+* ``base``: the non-speculative reference session of a test module (tiny Llama).
 * ``smollm2_dir``: the embedded SmolLM2-135M-Instruct GGUF converted to an HF folder by
   specc's loader, in the normal cache dir (``$SPECC_CACHE_DIR`` or ``~/.cache/specc``),
   so a run converts at most once.
 * ``tiny_llama_dir`` / ``tiny_qwen2_dir``: 2-layer random-weight models (hidden 64,
   4 heads, 2 KV heads) with the SmolLM2 tokenizer (real vocab, chat template, eos/bos),
-  saved as safetensors. Fast weights for runtime tests with a real tokenizer. The
-  weights are scaled so that logits spread widely (std ~4, greedy top-2 gaps ~1):
-  greedy ties, which would make equality tests flaky, are unlikely. Qwen2 has random
-  q/k/v biases and tied embeddings; Llama has an untied ``lm_head``.
+  saved as safetensors by :func:`helpers.build_tiny_model`. Fast weights for runtime tests
+  with a real tokenizer. The weights are scaled so that logits spread widely (std ~4,
+  greedy top-2 gaps ~1): greedy ties, which would make equality tests flaky, are
+  unlikely. Qwen2 has random q/k/v biases and tied embeddings; Llama has an untied ``lm_head``.
+
+Plain helpers (session builders, greedy params, oracle truth tables, ...) live in
+``helpers.py``, the test drafters in ``spec_drafters.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,22 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-TINY_SEED = 1234
+from helpers import build_tiny_model, make_session
+from specc.session import Session
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Run every test on ONE torch intra-op thread; restore torch's setting afterwards.
+
+    The suite runs on a shared 2-core machine, mostly on tiny models (hidden size 64) whose
+    ops are far too small to gain from intra-op parallelism: two torch threads only contend
+    with each other and with other processes for the cores (3-4x slower measured). A test
+    that needs another thread count (e.g. ``specc bench --threads N``) must put it back."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
@@ -36,35 +54,6 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def build_tiny_model(model_type: str, tokenizer, out_dir: Path, seed: int = TINY_SEED) -> Path:
-    """Save a tiny random ``model_type`` ("llama" or "qwen2") with ``tokenizer`` into
-    ``out_dir`` (safetensors + config + tokenizer files); returns ``out_dir``."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(TINY_DIMS, vocab_size=len(tokenizer), initializer_range=0.1,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
-    if model_type == "llama":
-        config, cls = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0), LlamaForCausalLM
-    elif model_type == "qwen2":
-        config, cls = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=100000.0), Qwen2ForCausalLM
-    else:
-        raise ValueError(model_type)
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-        model.lm_head.weight.normal_(0.0, 0.5)  # tied for qwen2: the embedding too
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_model("llama", smollm2_tokenizer, tmp_path_factory.mktemp("tiny_llama"))
@@ -73,3 +62,11 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_model("qwen2", smollm2_tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir) -> Session:
+    """Reference session on the tiny Llama (max_model_len 256, 4 sequences, no drafter),
+    one per test module: run it with ``use_speculation=False`` for the non-speculative
+    output. A module that needs another configuration defines its own ``base``."""
+    return make_session(tiny_llama_dir)

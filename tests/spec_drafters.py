@@ -1,8 +1,10 @@
-"""Test drafters from ../shared/cases/correctness.md: oracle, scripted, adversarial, empty.
+"""Test drafters from ../shared/cases/correctness.md: oracle, scripted, adversarial, empty,
+and an oracle that ignores the engine's per-row cap.
 
 Each is a deterministic proposer (q one-hot) keyed on a request's prompt token ids.
 Usage: run non-speculative greedy first, hand the outputs to ``OracleDrafter``, then
-``Session(config, proposer=OracleDrafter(k, {tuple(prompt_ids): output_ids}))``.
+``Session(config, proposer=OracleDrafter(k, {tuple(prompt_ids): output_ids}))``
+(``helpers.greedy_truth`` and ``helpers.oracle_table`` build that table).
 """
 
 from __future__ import annotations
@@ -64,3 +66,21 @@ class EmptyDrafter(ScriptedDrafter):
 
     def __init__(self, k: int):
         super().__init__(k, lambda req: [])
+
+
+class CapIgnoringOracle(Proposer):
+    """Always proposes the next k true tokens, ignoring ``max_drafts``: the engine alone
+    must cut the step to fit max_tokens and max_model_len."""
+
+    def __init__(self, k: int, truth: dict[tuple[int, ...], list[int]]):
+        super().__init__(k)
+        self.truth = truth
+
+    def propose(self, batch: StepBatch, max_drafts: list[int], uniforms) -> Proposal:
+        drafts = []
+        for req in batch.requests:
+            full = self.truth[tuple(req.prompt_token_ids)]
+            n = len(req.output_token_ids)
+            drafts.append(full[n : n + self.num_speculative_tokens])
+        ids, num = pad_drafts(drafts, self.num_speculative_tokens)
+        return Proposal(ids, num, None)

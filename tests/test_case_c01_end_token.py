@@ -18,15 +18,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-import torch
 
+from helpers import drafter_spec, find_block_end, greedy, greedy_truth, make_session, oracle_table, patched
 from spec_drafters import OracleDrafter
-from specc.sampling_params import SamplingParams
 from specc.session import Session
 
 K_VALUES = (1, 2, 5, 8)
 TRUTH_LEN = 64
-MAX_MODEL_LEN = 256
 PROMPTS = [
     "The quick brown fox",
     "Hello world, this is a test",
@@ -40,67 +38,37 @@ PROMPTS = [
 CASES = [(k, p) for k in K_VALUES for p in range(1, k + 2)]
 
 
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
 @contextmanager
 def record_requests(session: Session):
     """Within the block, the speculative engine of ``session`` records the Request objects
     it runs into the yielded list."""
     seen: list = []
-    eng = session.engine
-    orig = eng.run
+    orig = session.engine.run
 
     def run(requests, on_step=None):
         seen.extend(requests)
         return orig(requests, on_step)
 
-    eng.run = run
-    try:
+    with patched(session.engine, "run", run):
         yield seen
-    finally:
-        del eng.run
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def base(tiny_llama_dir) -> Session:
-    return Session(dict(target=str(tiny_llama_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4), verbose=False)
 
 
 @pytest.fixture(scope="module")
 def truth(base) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, non-spec greedy output) per prompt, ignoring EOS."""
-    outs = base.generate(PROMPTS, greedy(TRUTH_LEN, ignore_eos=True), use_speculation=False)
-    return [(o.prompt_token_ids, o.token_ids) for o in outs]
+    return greedy_truth(base, PROMPTS, TRUTH_LEN, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def oracle_sessions(tiny_llama_dir, truth) -> dict[int, Session]:
-    table = {tuple(p): out for p, out in truth}
-    cfg = dict(target=str(tiny_llama_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
-    return {k: Session(cfg, proposer=OracleDrafter(k, table), verbose=False) for k in K_VALUES}
+    table = oracle_table(truth)
+    return {k: make_session(tiny_llama_dir, proposer=OracleDrafter(k, table)) for k in K_VALUES}
 
 
 def find_end(truth, eos_ids, k: int, p: int, later_block: bool):
     """A (prompt, output, index) whose output token at ``index`` is its first occurrence and
-    sits at offset p of a verify block (the first block, or a later one)."""
-    blocks = range(1, 6) if later_block else range(0, 1)
-    for m in blocks:
-        i = 1 + (p - 1) + m * (k + 1)
-        for prompt, out in truth:
-            if i < len(out) - 1 and out[i] not in out[:i] and out[i] not in eos_ids:
-                return prompt, out, i
-    raise AssertionError(f"test data: no first-occurrence token at offset {p} of a block for k={k}")
+    sits at offset p of a verify block (the first block, or one of the next five)."""
+    return find_block_end(truth, eos_ids, k, p, range(1, 6) if later_block else range(0, 1))
 
 
 def run_pair(spec: Session, base: Session, prompt, params):
@@ -186,11 +154,7 @@ def test_batch_rows_stop_at_different_offsets(base, truth, oracle_sessions):
 
 @pytest.fixture(scope="module")
 def draft_model_sessions(tiny_llama_dir) -> dict[int, Session]:
-    cfg = lambda k: dict(  # noqa: E731
-        target=str(tiny_llama_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-        speculative_config=dict(method="draft_model", num_speculative_tokens=k, model=str(tiny_llama_dir)),
-    )
-    return {k: Session(cfg(k), verbose=False) for k in (2, 5)}
+    return {k: make_session(tiny_llama_dir, drafter_spec("draft_model", k, tiny_llama_dir)) for k in (2, 5)}
 
 
 @pytest.mark.parametrize("k,p", [(k, p) for k in (2, 5) for p in range(1, k + 2)])

@@ -15,68 +15,28 @@ the drafts are the true continuation.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specc.runtime.drafters.base import Proposal, Proposer, pad_drafts
-from specc.sampling_params import SamplingParams
+from helpers import LOOPING_SEEDS, drafter_spec, greedy, make_session
+from spec_drafters import CapIgnoringOracle
 from specc.session import Session
 
 K_VALUES = (1, 3, 5)
 CASES = [(k, m) for k in K_VALUES for m in range(1, k + 2)]
 MAX_MODEL_LEN = 128
-SEED_TOKENS = [[14090] * 8, [34200] * 8]  # trajectories that loop (see module docstring)
 PROMPT_LEN = 40
 TRAJ_LEN = 64
 
 
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-class CapIgnoringOracle(Proposer):
-    """Always proposes the next k true tokens, ignoring ``max_drafts``: the engine alone
-    must keep the step under max_tokens."""
-
-    def __init__(self, k: int, truth: dict[tuple[int, ...], list[int]]):
-        super().__init__(k)
-        self.truth = truth
-
-    def propose(self, batch, max_drafts, uniforms) -> Proposal:
-        drafts = []
-        for req in batch.requests:
-            full = self.truth[tuple(req.prompt_token_ids)]
-            n = len(req.output_token_ids)
-            drafts.append(full[n : n + self.num_speculative_tokens])
-        ids, num = pad_drafts(drafts, self.num_speculative_tokens)
-        return Proposal(ids, num, None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None) -> dict:
-    cfg = dict(target=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
-    if spec is not None:
-        cfg["speculative_config"] = spec
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir), verbose=False)
+    return make_session(tiny_llama_dir, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def prompts(base) -> dict[tuple[int, ...], list[int]]:
     """Repetitive prompts -> their non-spec greedy continuation (24 tokens)."""
     table = {}
-    for seed in SEED_TOKENS:
+    for seed in LOOPING_SEEDS:  # trajectories that loop (see module docstring)
         traj = seed + base.generate([seed], greedy(TRAJ_LEN - len(seed)), use_speculation=False)[0].token_ids
         prompt, rest = traj[:PROMPT_LEN], traj[PROMPT_LEN:]
         ref = base.generate([prompt], greedy(len(rest)), use_speculation=False)[0].token_ids
@@ -92,12 +52,11 @@ def prompts(base) -> dict[tuple[int, ...], list[int]]:
 def sessions(tiny_llama_dir, prompts) -> dict[tuple[str, int], Session]:
     out = {}
     for k in K_VALUES:
-        out["ngram", k] = Session(_cfg(tiny_llama_dir, dict(
-            method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=4)), verbose=False)
-        out["draft_model", k] = Session(_cfg(tiny_llama_dir, dict(
-            method="draft_model", num_speculative_tokens=k, model=str(tiny_llama_dir))), verbose=False)
-        out["cap_ignoring", k] = Session(_cfg(tiny_llama_dir), proposer=CapIgnoringOracle(k, prompts),
-                                         verbose=False)
+        for method in ("ngram", "draft_model"):
+            out[method, k] = make_session(tiny_llama_dir, drafter_spec(method, k, tiny_llama_dir),
+                                          max_model_len=MAX_MODEL_LEN)
+        out["cap_ignoring", k] = make_session(tiny_llama_dir, proposer=CapIgnoringOracle(k, prompts),
+                                              max_model_len=MAX_MODEL_LEN)
     return out
 
 

@@ -17,37 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specc.runtime.drafters.base import Proposal, Proposer, pad_drafts
-from specc.sampling_params import SamplingParams
+from helpers import LOOPING_SEEDS, drafter_spec, greedy, make_session
+from spec_drafters import CapIgnoringOracle
 from specc.session import Session
 
 L = 64  # max_model_len
 K = 5
+MAX_TOKENS = 100  # more than fits: the context limit ends every request
 LENGTHS = list(range(58, 64))
-SEED_TOKENS = [[14090] * 8, [34200] * 8]
 METHODS = ["ngram", "draft_model", "early_exit", "cap_ignoring"]
-
-
-def greedy(max_tokens: int = 100) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-class CapIgnoringOracle(Proposer):
-    """Always proposes the next k true tokens, ignoring ``max_drafts``: the engine alone
-    must keep verify positions under the limit."""
-
-    def __init__(self, k: int, truth: dict[tuple[int, ...], list[int]]):
-        super().__init__(k)
-        self.truth = truth
-
-    def propose(self, batch, max_drafts, uniforms) -> Proposal:
-        drafts = []
-        for req in batch.requests:
-            full = self.truth[tuple(req.prompt_token_ids)]
-            n = len(req.output_token_ids)
-            drafts.append(full[n : n + self.num_speculative_tokens])
-        ids, num = pad_drafts(drafts, self.num_speculative_tokens)
-        return Proposal(ids, num, None)
 
 
 class ForwardLog:
@@ -61,33 +39,17 @@ class ForwardLog:
         self.calls.append((positions.clone(), kwargs.get("kv_len"), kwargs.get("num_layers")))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None) -> dict:
-    cfg = dict(target=str(model_dir), max_model_len=L, max_num_seqs=4)
-    if spec is not None:
-        cfg["speculative_config"] = spec
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir), verbose=False)
+    return make_session(tiny_llama_dir, max_model_len=L)
 
 
 @pytest.fixture(scope="module")
 def trajectories(base) -> list[list[int]]:
     """Greedy trajectories of exactly L tokens (seed + continuation up to the limit)."""
     out = []
-    for seed in SEED_TOKENS:
-        o = base.generate([seed], greedy(), use_speculation=False)[0]
+    for seed in LOOPING_SEEDS:
+        o = base.generate([seed], greedy(MAX_TOKENS), use_speculation=False)[0]
         traj = seed + o.token_ids
         assert len(traj) == L and o.finish_reason == "length"
         out.append(traj)
@@ -101,17 +63,12 @@ def truth(trajectories) -> dict[tuple[int, ...], list[int]]:
 
 @pytest.fixture(scope="module")
 def sessions(tiny_llama_dir, truth) -> dict[str, tuple[Session, list[ForwardLog]]]:
-    specs = {
-        "ngram": dict(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4),
-        "draft_model": dict(method="draft_model", num_speculative_tokens=K, model=str(tiny_llama_dir)),
-        "early_exit": dict(method="draft_model", num_speculative_tokens=K, num_draft_layers=1),
-    }
     out = {}
     for name in METHODS:
         if name == "cap_ignoring":
-            s = Session(_cfg(tiny_llama_dir), proposer=CapIgnoringOracle(K, truth), verbose=False)
+            s = make_session(tiny_llama_dir, proposer=CapIgnoringOracle(K, truth), max_model_len=L)
         else:
-            s = Session(_cfg(tiny_llama_dir, specs[name]), verbose=False)
+            s = make_session(tiny_llama_dir, drafter_spec(name, K, tiny_llama_dir), max_model_len=L)
         models = [s.target.model]
         drafter = getattr(s.proposer, "model", None)
         if drafter is not None and drafter is not s.target.model:
@@ -159,8 +116,8 @@ def test_context_limit_single(base, trajectories, sessions, method, n):
         logs_.calls.clear()
     for traj in trajectories:
         prompt = traj[:n]
-        out = spec.generate([prompt], greedy())[0]
-        ref = base.generate([prompt], greedy(), use_speculation=False)[0]
+        out = spec.generate([prompt], greedy(MAX_TOKENS))[0]
+        ref = base.generate([prompt], greedy(MAX_TOKENS), use_speculation=False)[0]
         check_limit(out, ref, prompt, traj[n:])
         if method in ("ngram", "cap_ignoring", "draft_model") and n <= L - 3:
             # room for at least one draft after the prefill token: it was verified
@@ -176,8 +133,8 @@ def test_context_limit_batched(base, trajectories, sessions, method, lengths):
         logs_.calls.clear()
     rows = [(trajectories[i % 2], n) for i, n in enumerate(lengths)]
     prompts = [t[:n] for t, n in rows]
-    outs = spec.generate(prompts, greedy())
-    refs = base.generate(prompts, greedy(), use_speculation=False)
+    outs = spec.generate(prompts, greedy(MAX_TOKENS))
+    refs = base.generate(prompts, greedy(MAX_TOKENS), use_speculation=False)
     for (traj, n), prompt, out, ref in zip(rows, prompts, outs, refs):
         check_limit(out, ref, prompt, traj[n:])
     check_forwards(logs)

@@ -8,7 +8,7 @@ Checked, for the n-gram, early-exit and draft-model drafters:
 
 * no crash, no NaN (every forward's logits are finite, padded rows included);
 * padded rows change no real sequence length, KV entry or counter: the KV shadow
-  checker of C4 (``KVShadow``) sees no write of a wrong token below a request's length
+  checker of C4 (``kv_shadow.py``) sees no write of a wrong token below a request's length
   and no real query seeing a wrong key; each request's counters (steps, tokens per step,
   drafts, accepted) equal those of the same request run alone with speculation;
 * each row equals the same request run alone without speculation (greedy, fp32).
@@ -22,34 +22,20 @@ logprob-identical outputs to this eager path.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specc import SamplingParams, Session
-from test_case_c04_batch_composition import checked
+from helpers import drafter_spec, greedy, make_session
+from kv_shadow import checked
+from specc import SamplingParams
 
 K = 4
 BUCKETS = [1, 2, 4, 8]
 MAX_MODEL_LEN = 160
 
-SPECS = {
-    "ngram": dict(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4),
-    "early_exit": dict(method="draft_model", num_speculative_tokens=K, num_draft_layers=1),
-    "draft_model": None,  # filled in with the tiny model's path (drafter == target)
-}
+METHODS = ["ngram", "early_exit", "draft_model"]  # draft_model: drafter == target
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None) -> dict:
-    return dict(target=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                batch_buckets=BUCKETS, speculative_config=spec)
+def _session(model_dir, spec=None):
+    return make_session(model_dir, spec, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, batch_buckets=BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +54,18 @@ def pool(tiny_llama_dir) -> list[tuple[list[int], int]]:
 
 
 def _greedy(m: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=m, logprobs=2)
+    return greedy(m, logprobs=2)
 
 
 @pytest.fixture(scope="module")
 def base_outputs(tiny_llama_dir, pool):
-    base = Session(_cfg(tiny_llama_dir), verbose=False)
+    base = _session(tiny_llama_dir)
     return [base.generate([p], _greedy(m), use_speculation=False)[0] for p, m in pool]
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+@pytest.fixture(scope="module", params=METHODS)
 def spec_session(request, tiny_llama_dir, pool):
-    spec = SPECS[request.param] or dict(method="draft_model", num_speculative_tokens=K, model=str(tiny_llama_dir))
-    session = Session(_cfg(tiny_llama_dir, spec), verbose=False)
+    session = _session(tiny_llama_dir, drafter_spec(request.param, K, tiny_llama_dir))
     # each request alone, with speculation: the reference for its counters
     alone = [session.generate([p], _greedy(m))[0] for p, m in pool]
     return request.param, session, alone

@@ -35,7 +35,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from conftest import TINY_DIMS
+from helpers import build_tiny_model, drafter_spec, make_session
 from specc import SamplingParams, Session
 from specc.outputs import SpecMetrics
 from specc.runtime.sampling import process_logits
@@ -46,7 +46,7 @@ MAX_TOKENS = 8
 N = 480  # samples per drafter and setting (one batch)
 P_MIN = 1e-3
 MIN_EXPECTED = 5.0
-LM_HEAD_STD = 0.2
+LM_HEAD_STD = 0.2  # logits std ~1.6: at temperature 0.7 the top-p 0.5 set still holds several tokens
 
 SETTINGS = {
     "t0.7_top_p0.5": dict(temperature=0.7, top_p=0.5),
@@ -56,33 +56,9 @@ SETTINGS = {
 METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _build_toy(out_dir: Path, tokenizer, seed: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**TINY_DIMS, vocab_size=V, initializer_range=0.1,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-        # logits std ~1.6: at temperature 0.7 the top-p 0.5 set still holds several tokens
-        model.lm_head.weight.normal_(0.0, LM_HEAD_STD)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    """The tiny Llama with a V-token vocabulary and a flatter distribution (LM_HEAD_STD)."""
+    return build_tiny_model("llama", tokenizer, out_dir, seed, vocab_size=V, lm_head_std=LM_HEAD_STD)
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +75,15 @@ def reference_model(toy_dirs):
     return LlamaForCausalLM.from_pretrained(toy_dirs[0], torch_dtype=torch.float32).eval()
 
 
-def _spec_config(method: str, dirs: tuple[Path, Path]) -> dict | None:
+def _spec_config(method: str, dirs: tuple[Path, Path]) -> dict:
     target, other = dirs
-    return {
-        "ngram": dict(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4),
-        "draft_model": dict(method="draft_model", num_speculative_tokens=K, model=str(other)),
-        "early_exit": dict(method="draft_model", num_speculative_tokens=K, num_draft_layers=1),
-        "draft_equals_target": dict(method="draft_model", num_speculative_tokens=K, model=str(target)),
-        "none": None,
-    }[method]
+    if method == "draft_equals_target":
+        return drafter_spec("draft_model", K, target)
+    return drafter_spec(method, K, other)  # draft_model: the other toy drafts
 
 
 def _session(method: str, dirs) -> Session:
-    return Session(dict(target=str(dirs[0]), max_model_len=128, max_num_seqs=N,
-                        speculative_config=_spec_config(method, dirs)), verbose=False)
+    return make_session(dirs[0], _spec_config(method, dirs), max_model_len=128, max_num_seqs=N)
 
 
 def _sample(session: Session, prompt: list[int], setting: dict, seed0: int, use_speculation=True):

@@ -24,27 +24,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specc import SamplingParams, Session
+from helpers import drafter_spec, make_session
+from specc import SamplingParams
 
 K = 5
 SEEDED = dict(temperature=2.0, seed=42, max_tokens=10, logprobs=2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _spec(method: str, model_dir) -> dict:
-    return {
-        "ngram": dict(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4),
-        "draft_model": dict(method="draft_model", num_speculative_tokens=K, model=str(model_dir)),
-        "early_exit": dict(method="draft_model", num_speculative_tokens=K, num_draft_layers=1),
-    }[method]
 
 
 PROMPT = "Roses are red, violets are blue, roses are red, violets are"
@@ -66,8 +50,7 @@ def _unseeded(i: int) -> SamplingParams:
 def test_seeded_request_identical_alone_and_batched(method, tiny_llama_dir):
     results = []
     for max_num_seqs in (4, 2):  # 2: requests wait for a slot and join mid-generation
-        s = Session(dict(target=str(tiny_llama_dir), max_model_len=256, max_num_seqs=max_num_seqs,
-                         speculative_config=_spec(method, tiny_llama_dir)), verbose=False)
+        s = make_session(tiny_llama_dir, drafter_spec(method, K, tiny_llama_dir), max_num_seqs=max_num_seqs)
         if max_num_seqs == 4:
             for _ in range(5):  # alone
                 results.append(("alone", s.generate(PROMPT, SamplingParams(**SEEDED))[0]))
@@ -111,8 +94,7 @@ def test_seeded_request_logits_bitwise_independent_of_batch(tiny_llama_dir):
     """Diagnostic for the numerics under C7: the processed target logits behind each token
     of the seeded request, alone vs. batched, must be bitwise equal for batch invariance
     to hold for every seed."""
-    s = Session(dict(target=str(tiny_llama_dir), max_model_len=256, max_num_seqs=4,
-                     speculative_config=_spec("ngram", tiny_llama_dir)), verbose=False)
+    s = make_session(tiny_llama_dir, drafter_spec("ngram", K))
     seen: dict[int, list[torch.Tensor]] = {}
     orig = s.engine._emit
 

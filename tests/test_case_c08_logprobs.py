@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import drafter_spec, greedy_truth, make_session, oracle_table
 from spec_drafters import OracleDrafter
 from specc import SamplingParams, Session
 from specc.models.kv_cache import KVCache
@@ -31,24 +32,6 @@ PROMPTS = [
     "In 1492",
 ]
 SAMPLED = dict(temperature=0.7, top_k=20, top_p=0.9)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None) -> dict:
-    return dict(target=str(model_dir), max_model_len=256, max_num_seqs=4, speculative_config=spec)
-
-
-@pytest.fixture(scope="module")
-def base(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir), verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +49,10 @@ def sessions(tiny_llama_dir, base):
         if method not in made:
             proposer, spec = None, None
             if method == "oracle":
-                ids = [base.tokenize(p) for p in PROMPTS]
-                outs = base.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64), use_speculation=False)
-                proposer = OracleDrafter(K, {tuple(i): o.token_ids for i, o in zip(ids, outs)})
-            elif method == "ngram":
-                spec = dict(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4)
-            elif method == "draft_model":
-                spec = dict(method="draft_model", num_speculative_tokens=K, model=str(tiny_llama_dir))
-            elif method == "early_exit":
-                spec = dict(method="draft_model", num_speculative_tokens=K, num_draft_layers=1)
-            made[method] = Session(_cfg(tiny_llama_dir, spec), proposer=proposer, verbose=False)
+                proposer = OracleDrafter(K, oracle_table(greedy_truth(base, PROMPTS, 64)))
+            else:
+                spec = drafter_spec(method, K, tiny_llama_dir)
+            made[method] = make_session(tiny_llama_dir, spec, proposer=proposer)
         return made[method]
 
     return get

@@ -18,11 +18,10 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-import torch
 
+from helpers import drafter_spec, find_block_end, greedy, greedy_truth, make_session, oracle_table
 from spec_drafters import OracleDrafter
 from specc.outputs import SpecMetrics
-from specc.sampling_params import SamplingParams
 from specc.session import Session
 
 K = 5
@@ -37,57 +36,25 @@ PROMPTS = [
 ]
 
 
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None) -> dict:
-    cfg = dict(target=str(model_dir), max_model_len=256, max_num_seqs=4)
-    if spec is not None:
-        cfg["speculative_config"] = spec
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def base(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir), verbose=False)
-
-
 @pytest.fixture(scope="module")
 def truth(base) -> list[tuple[list[int], list[int]]]:
-    outs = base.generate(PROMPTS, greedy(TRUTH_LEN, ignore_eos=True), use_speculation=False)
-    return [(o.prompt_token_ids, o.token_ids) for o in outs]
+    return greedy_truth(base, PROMPTS, TRUTH_LEN, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def oracle(tiny_llama_dir, truth) -> Session:
-    return Session(_cfg(tiny_llama_dir), proposer=OracleDrafter(K, {tuple(p): o for p, o in truth}), verbose=False)
+    return make_session(tiny_llama_dir, proposer=OracleDrafter(K, oracle_table(truth)))
 
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir, dict(method="draft_model", num_speculative_tokens=K,
-                                             model=str(tiny_llama_dir))), verbose=False)
+    return make_session(tiny_llama_dir, drafter_spec("draft_model", K, tiny_llama_dir))
 
 
 def find_end(truth, eos_ids, p: int, block: int):
     """(prompt, output, index): the output's first occurrence of a token, at offset p
-    (1-based) of verify block ``block`` (1-based) or later."""
-    for m in range(block - 1, block + 4):
-        i = 1 + (p - 1) + m * (K + 1)
-        for prompt, out in truth:
-            if i < len(out) - 1 and out[i] not in out[:i] and out[i] not in eos_ids:
-                return prompt, out, i
-    raise AssertionError(f"test data: no first-occurrence token at offset {p} of block >= {block}")
+    (1-based) of verify block ``block`` (1-based) or one of the next four."""
+    return find_block_end(truth, eos_ids, K, p, range(block - 1, block + 4))
 
 
 def snapshot(m: SpecMetrics) -> SpecMetrics:

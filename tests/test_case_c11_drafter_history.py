@@ -22,8 +22,8 @@ import itertools
 import pytest
 import torch
 
+from helpers import drafter_spec, greedy, make_session, patched, reference_ngram
 from specc.models.kv_cache import KVCache
-from specc.sampling_params import SamplingParams
 from specc.session import Session
 
 K = 5
@@ -34,56 +34,15 @@ PROMPTS = [
 ]
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-def reference_ngram(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
-    """Plain prompt lookup: the longest n-gram suffix (hi..lo) that recurs earlier; its most
-    recent earlier occurrence (ending before the last position); the tokens after it."""
-    length = len(tokens)
-    for n in range(hi, lo - 1, -1):
-        if length < n + 1:
-            continue
-        suffix = tokens[length - n :]
-        for s in range(length - n - 1, -1, -1):
-            if tokens[s : s + n] == suffix:
-                return tokens[s + n : s + n + k]
-    return []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None) -> dict:
-    cfg = dict(target=str(model_dir), max_model_len=256, max_num_seqs=4)
-    if spec is not None:
-        cfg["speculative_config"] = spec
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def base(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir), verbose=False)
-
-
 @pytest.fixture(scope="module")
 def ngram(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir, dict(method="ngram", num_speculative_tokens=K,
-                                             prompt_lookup_min=LOOKUP_MIN, prompt_lookup_max=LOOKUP_MAX)),
-                   verbose=False)
+    return make_session(tiny_llama_dir, drafter_spec("ngram", K, prompt_lookup_min=LOOKUP_MIN,
+                                                     prompt_lookup_max=LOOKUP_MAX))
 
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir, dict(method="draft_model", num_speculative_tokens=K,
-                                             model=str(tiny_llama_dir))), verbose=False)
+    return make_session(tiny_llama_dir, drafter_spec("draft_model", K, tiny_llama_dir))
 
 
 @pytest.mark.parametrize("max_tokens", [(64, 64), (64, 23), (23, 64)], ids=["same", "second_short", "first_short"])
@@ -102,12 +61,9 @@ def test_ngram_history_and_drafts(base, ngram, max_tokens):
                           proposal.draft_token_ids[b, :n].tolist()))
         return proposal
 
-    proposer.propose = propose
-    try:
-        params = [greedy(m) for m in max_tokens]
+    params = [greedy(m) for m in max_tokens]
+    with patched(proposer, "propose", propose):
         outs = ngram.generate(prompt_ids, params)
-    finally:
-        del proposer.propose
     refs = base.generate(prompt_ids, params, use_speculation=False)
 
     for out, ref, m in zip(outs, refs, max_tokens):
@@ -165,12 +121,9 @@ def test_draft_model_cache_is_prompt_plus_emitted(base, draft_model, max_tokens)
                     torch.testing.assert_close(got[b, :, :n], want[0, :, :n], atol=1e-4, rtol=1e-4)
             checked.append((req.request_id, b))
 
-    proposer.on_verified = on_verified
-    try:
-        params = [greedy(m) for m in max_tokens]
+    params = [greedy(m) for m in max_tokens]
+    with patched(proposer, "on_verified", on_verified):
         outs = draft_model.generate(prompt_ids, params)
-    finally:
-        del proposer.on_verified
     refs = base.generate(prompt_ids, params, use_speculation=False)
     for out, ref in zip(outs, refs):
         assert out.token_ids == ref.token_ids

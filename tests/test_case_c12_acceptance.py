@@ -21,10 +21,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
+from helpers import LOOPING_SEEDS, drafter_spec, greedy, greedy_truth, make_session, oracle_table
 from spec_drafters import OracleDrafter
-from specc.sampling_params import SamplingParams
 from specc.session import Session
 
 K_VALUES = (1, 3, 7)
@@ -39,44 +38,17 @@ BASELINE_PATH = Path(__file__).parent / "data" / "c12_acceptance_baseline.json"
 BASELINE_TOLERANCE = 0.99
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (two contend badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(model_dir, spec=None, max_num_seqs: int = 4) -> dict:
-    cfg = dict(target=str(model_dir), max_model_len=256, max_num_seqs=max_num_seqs)
-    if spec is not None:
-        cfg["speculative_config"] = spec
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def base(tiny_llama_dir) -> Session:
-    return Session(_cfg(tiny_llama_dir), verbose=False)
-
-
 @pytest.fixture(scope="module")
 def truth(base) -> dict[tuple[int, ...], list[int]]:
-    outs = base.generate(PROMPTS, greedy(1 + (max(K_VALUES) + 1) * FULL_STEPS), use_speculation=False)
-    return {tuple(o.prompt_token_ids): o.token_ids for o in outs}
+    return oracle_table(greedy_truth(base, PROMPTS, 1 + (max(K_VALUES) + 1) * FULL_STEPS))
 
 
 @pytest.fixture(scope="module")
 def full_accept_sessions(tiny_llama_dir, truth) -> dict[tuple[str, int], Session]:
     out = {}
     for k in K_VALUES:
-        out["oracle", k] = Session(_cfg(tiny_llama_dir), proposer=OracleDrafter(k, truth), verbose=False)
-        out["draft_model", k] = Session(_cfg(tiny_llama_dir, dict(
-            method="draft_model", num_speculative_tokens=k, model=str(tiny_llama_dir))), verbose=False)
+        out["oracle", k] = make_session(tiny_llama_dir, proposer=OracleDrafter(k, truth))
+        out["draft_model", k] = make_session(tiny_llama_dir, drafter_spec("draft_model", k, tiny_llama_dir))
     return out
 
 
@@ -108,16 +80,12 @@ def test_full_acceptance(base, full_accept_sessions, k, drafter, batch):
 
 # -- deterministic drafter: batch 1 == padded batch ------------------------------------------
 
-DETERMINISTIC = {
-    "ngram": lambda d: dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=4),
-    "early_exit": lambda d: dict(method="draft_model", num_speculative_tokens=3, num_draft_layers=1),
-    "draft_model": lambda d: dict(method="draft_model", num_speculative_tokens=3, model=str(d)),
-}
+DETERMINISTIC = ["draft_model", "early_exit", "ngram"]
 
 
-@pytest.mark.parametrize("method", sorted(DETERMINISTIC))
+@pytest.mark.parametrize("method", DETERMINISTIC)
 def test_deterministic_drafter_same_alone_and_batched(tiny_llama_dir, method):
-    spec = Session(_cfg(tiny_llama_dir, DETERMINISTIC[method](tiny_llama_dir)), verbose=False)
+    spec = make_session(tiny_llama_dir, drafter_spec(method, 3, tiny_llama_dir))
     prompts = PROMPTS + [PAD_PROMPT]
     params = [greedy(24)] * len(PROMPTS) + [greedy(1)]
     alone = [spec.generate([p], prm)[0] for p, prm in zip(prompts, params)]
@@ -140,7 +108,7 @@ FROZEN_TEXT_PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Once upon a time there was a little girl who lived in a village",
 ]
-FROZEN_TOKEN_PROMPTS = [[14090] * 8, [34200] * 8]  # the tiny model loops on these
+FROZEN_TOKEN_PROMPTS = LOOPING_SEEDS  # the tiny model loops on these
 BASELINE_METHODS = {
     "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4),
     "early_exit": dict(method="draft_model", num_speculative_tokens=4, num_draft_layers=1),
@@ -150,7 +118,7 @@ BASELINE_BATCH = 8  # every prompt in one batch
 
 
 def measure_acceptance(model_dir, prompts: list[list[int]], spec: dict) -> dict:
-    s = Session(_cfg(model_dir, spec, max_num_seqs=BASELINE_BATCH), verbose=False)
+    s = make_session(model_dir, spec, max_num_seqs=BASELINE_BATCH)
     outs = s.generate(prompts, greedy(BASELINE_MAX_TOKENS))
     assert all(len(o.token_ids) == BASELINE_MAX_TOKENS for o in outs)
     return dict(mean_acceptance_length=s.metrics.mean_acceptance_length,
@@ -160,7 +128,7 @@ def measure_acceptance(model_dir, prompts: list[list[int]], spec: dict) -> dict:
 
 def test_acceptance_baseline(tiny_llama_dir):
     if os.environ.get("SPECC_WRITE_ACCEPTANCE_BASELINE"):
-        tok = Session(_cfg(tiny_llama_dir), verbose=False).tokenizer
+        tok = make_session(tiny_llama_dir).tokenizer
         prompts = [tok.encode(t) for t in FROZEN_TEXT_PROMPTS] + FROZEN_TOKEN_PROMPTS
         data = {
             "description": "C12 stored baseline: mean acceptance length (greedy, tiny Llama of "

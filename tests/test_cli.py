@@ -13,18 +13,6 @@ from specc.cli import main
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, oversubscribed CPU
-    extra threads spin against other processes (4x slower measured): use one here."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _yaml(tmp_path, target, name="model.yaml", extra="") -> str:
     path = tmp_path / name
     path.write_text(

@@ -8,31 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import reference_ngram
 from specc.runtime.drafters.ngram import NgramProposer
-
-
-def reference_ngram_propose(
-    tokens: list[int],
-    num_speculative_tokens: int,
-    prompt_lookup_min: int,
-    prompt_lookup_max: int,
-    max_num_tokens: int | None = None,
-) -> list[int]:
-    """Obviously-correct prompt lookup: longest n first, then the most recent match."""
-    tokens = list(tokens)
-    limit = num_speculative_tokens if max_num_tokens is None else min(num_speculative_tokens, max_num_tokens)
-    if limit <= 0:
-        return []
-    length = len(tokens)
-    for n in range(prompt_lookup_max, prompt_lookup_min - 1, -1):
-        if length < n + 1:
-            continue
-        suffix = tokens[length - n :]
-        # candidate starts s: the match tokens[s:s+n] must end before the last position
-        for s in range(length - n - 1, -1, -1):
-            if tokens[s : s + n] == suffix:
-                return tokens[s + n : s + n + limit]
-    return []
 
 
 @settings(max_examples=300, deadline=None)
@@ -49,7 +26,7 @@ def test_matches_reference(tokens, k, lookup, cap, as_array):
     proposer = NgramProposer(k, lo, hi)
     arg = np.asarray(tokens, dtype=np.int64) if as_array else tokens
     got = proposer.propose(arg, max_num_tokens=cap)
-    assert got == reference_ngram_propose(tokens, k, lo, hi, cap)
+    assert got == reference_ngram(tokens, k, lo, hi, cap)
     assert all(type(x) is int for x in got)
 
 
@@ -62,7 +39,7 @@ def test_random_longer_contexts_match_reference():
         lo = int(rng.integers(1, 4))
         hi = lo + int(rng.integers(0, 4))
         k = int(rng.integers(1, 9))
-        assert NgramProposer(k, lo, hi).propose(tokens) == reference_ngram_propose(tokens, k, lo, hi)
+        assert NgramProposer(k, lo, hi).propose(tokens) == reference_ngram(tokens, k, lo, hi)
 
 
 def test_edge_cases():
@@ -113,7 +90,7 @@ def test_c11_history_grows_step_by_step():
     hits = 0
     for step in range(64):
         drafts = proposer.propose(history)
-        assert drafts == reference_ngram_propose(history, 5, 1, 4)
+        assert drafts == reference_ngram(history, 5, 1, 4)
         hits += bool(drafts)
         # pretend a target accepted some drafts and added one token
         n_acc = step % (len(drafts) + 1)

@@ -15,9 +15,9 @@ so a logprob difference is a logit difference).
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specc import SamplingParams, Session
+from helpers import drafter_spec, make_session
+from specc import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -39,22 +39,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One thread: two contend badly on a shared 2-core box (about 3x slower here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def sessions(smollm2_dir):
-    cfg = dict(target=str(smollm2_dir), max_model_len=512, max_num_seqs=4)
-    ngram = Session(dict(cfg, speculative_config=dict(
-        method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=4)), verbose=False)
-    early = Session(dict(cfg, speculative_config=dict(
-        method="draft_model", num_speculative_tokens=K, num_draft_layers=8)), verbose=False)
+    ngram = make_session(smollm2_dir, drafter_spec("ngram", K), max_model_len=512)
+    early = make_session(smollm2_dir, drafter_spec("early_exit", K, num_draft_layers=8), max_model_len=512)
     return {"ngram": ngram, "early_exit": early}
 
 

@@ -19,18 +19,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 LONG = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, oversubscribed CPU
-    extra threads spin against other processes (4x slower measured): use one here."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(folder, **kw) -> dict:
     cfg = {"target": str(folder), "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
            "batch_buckets": [1, 2, 4], "sampling": {"max_tokens": 5}}

@@ -92,6 +92,10 @@ class Request:
                 break
         if not p.stop:
             self._update_text(detokenize)
+        if self.finish_reason == "length" and self.text.endswith("\ufffd"):
+            # max_tokens / max_model_len cut the output inside a multi-byte character (an
+            # emoji's byte tokens): drop the incomplete character instead of showing U+FFFD
+            self.text = self.text.rstrip("\ufffd")
         return kept
 
     def _update_text(self, detokenize) -> None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError; OSError: files, folders
         print(f"specc: error: {e}", file=sys.stderr)
         return 2
 
@@ -64,7 +65,8 @@ def _generate(args) -> int:
     outputs = session.generate(prompts, params, chat=args.chat, on_text=on_text)
     spec_time = time.perf_counter() - t0
     baseline = None
-    if session.proposer is not None and not args.no_baseline:
+    ran = any(o.finish_reason != "error" for o in outputs)  # no speed-up to report when every request failed
+    if session.proposer is not None and not args.no_baseline and ran:
         t0 = time.perf_counter()
         base_out = session.generate(prompts, params, chat=args.chat, use_speculation=False)
         base_time = time.perf_counter() - t0
@@ -96,7 +98,7 @@ def _generate(args) -> int:
             f"\n[{o.finish_reason}] {m.num_generation_tokens} tokens, "
             f"TTFT {m.time_to_first_token * 1000:.0f} ms, {m.tokens_per_second:.1f} tok/s"
         )
-    if session.proposer is not None:
+    if session.proposer is not None and ran:
         s = session.metrics
         print(
             f"speculative: method {session.config.speculative_config.method}, "
@@ -168,6 +170,23 @@ def _load_bench_inputs(args):
     from specc import Session
     from specc.datasets import load_dataset, select
 
+    # argument checks before the model loads
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if getattr(args, "baselines", None):
+        from specc.hf_baselines import NAMES
+
+        unknown = [n for n in args.baselines if n not in NAMES]
+        if unknown:
+            raise ValueError(f"--baselines: unknown {', '.join(unknown)} (choose from {', '.join(NAMES)})")
+    json_out = getattr(args, "json", None)  # bench: written at the end, so check its folder now
+    if json_out and not (folder := Path(json_out).expanduser().absolute().parent).is_dir():
+        raise ValueError(f"--json {json_out}: the folder {folder} does not exist")
+    out_dir = getattr(args, "out", None)  # profile
+    if out_dir is not None and Path(out_dir).expanduser().exists() and not Path(out_dir).expanduser().is_dir():
+        raise ValueError(f"--out {out_dir}: is a file; give a folder for the traces, plots and profile.json")
+    if getattr(args, "traced_prompts", 1) < 1:
+        raise ValueError(f"--traced-prompts {args.traced_prompts}: must be >= 1")
     ds = load_dataset(args.dataset, args.dataset_path, categories=args.categories,
                       num_prompts=args.num_prompts, chat=args.chat)
     if args.quick and args.num_prompts is None:

@@ -84,7 +84,10 @@ def _traced_passes(session, prompts, max_tokens: int, modes: list[str], out: Pat
     activities = [ProfilerActivity.CPU]
     if session.config.device == "cuda" and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    saved = session.metrics
+    from specc.outputs import SpecMetrics
+
+    saved = session.metrics  # generate() adds into session.metrics in place: count into a scratch one
+    session.metrics = SpecMetrics()
     totals: dict[str, dict] = {}
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(p.stop) or None)

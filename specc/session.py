@@ -60,10 +60,19 @@ class Session:
             raise ConfigError(str(e), label) from e
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
-        self.kv_cache = KVCache(
-            mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,
-            cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device,
-        )
+        try:
+            self.kv_cache = KVCache(
+                mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,
+                cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device,
+            )
+        except RuntimeError as e:  # torch's allocator: not enough memory for the preallocated cache
+            need = (2 * mc.num_hidden_layers * cfg.max_num_seqs * mc.num_key_value_heads * (cfg.max_model_len + 1)
+                    * mc.head_dim * torch.empty((), dtype=cfg.torch_dtype).element_size())
+            raise ConfigError(
+                f"max_model_len = {cfg.max_model_len}, max_num_seqs = {cfg.max_num_seqs}: the KV cache "
+                f"({need / 2**30:.1f} GiB, preallocated for max_num_seqs x max_model_len) cannot be allocated on "
+                f"{cfg.device}; lower max_model_len or max_num_seqs ({str(e).splitlines()[0][:200]})", label,
+            ) from e
         try:
             self.proposer = proposer if proposer is not None else build_proposer(cfg, self.target, self.kv_cache)
         except ConfigError as e:
@@ -199,7 +208,8 @@ class Session:
             prompt=prompt,
             prompt_token_ids=ids,
             params=params,
-            generator=torch.Generator().manual_seed(seed),
+            # torch seeds are 64-bit and wrap negatives mod 2**64; any Python int works the same way
+            generator=torch.Generator().manual_seed(seed % 2**64),
             eos_token_ids=self.eos_token_ids,
             max_model_len=limit,
             metrics=RequestMetrics(num_prompt_tokens=len(ids)),

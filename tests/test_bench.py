@@ -184,6 +184,41 @@ def test_bench_early_exit_and_plain_configs(tmp_path, tiny_llama_dir, data_file)
     assert list(summary["methods"]) == ["base"]
 
 
+@pytest.mark.parametrize("args, match", [
+    (["profile", "--out", "{file}"], "--out .*is a file"),
+    (["profile", "--traced-prompts", "0"], "--traced-prompts 0: must be >= 1"),
+    (["bench", "--json", "{missing}/out.json"], "--json .*does not exist"),
+    (["bench", "--baselines", "bogus"], "--baselines: unknown bogus"),
+    (["bench", "--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
+])
+def test_bad_perf_arguments_fail_before_loading(tmp_path, small_file, capsys, args, match):
+    """Bad arguments exit 2 with a one-line message, before the model loads (the config
+    names a target that does not exist, so reaching the load would fail differently) and
+    not after a whole benchmark (--json, --out were only used at the end)."""
+    import re
+
+    cfg = _config(tmp_path, tmp_path / "no_such_model", NGRAM)
+    (tmp_path / "file.txt").write_text("x")
+    fill = {"file": str(tmp_path / "file.txt"), "missing": str(tmp_path / "missing")}
+    argv = [args[0], str(cfg), "--dataset", str(small_file)] + [a.format(**fill) for a in args[1:]]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and re.search(match, err), err
+
+
+def test_profile_traced_runs_stay_out_of_session_metrics(tmp_path, tiny_llama_dir, small_file):
+    from specc import Session
+    from specc.bench import BASE, SPEC
+    from specc.profile import _traced_passes
+
+    session = Session(_config(tmp_path, tiny_llama_dir, NGRAM), verbose=False)
+    before = session.metrics.to_dict()
+    ds = load_dataset(str(small_file))
+    passes = _traced_passes(session, ds.prompts[:1], 8, [SPEC, BASE], tmp_path)
+    assert passes[SPEC]["steps"] > 0
+    assert session.metrics.to_dict() == before
+
+
 def test_profile_cli_writes_traces_plots_and_model(tmp_path, tiny_llama_dir, small_file, capsys):
     cfg = _config(tmp_path, tiny_llama_dir, NGRAM)
     out_dir = tmp_path / "prof"

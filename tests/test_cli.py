@@ -138,6 +138,17 @@ def test_overrides_and_per_request_error(plain_yaml, capsys):
     assert rc == 1 and "[request 0] error: invalid SamplingParams: top_p = 0" in cap.err
 
 
+def test_no_speed_up_line_when_every_request_failed(ngram_yaml, capsys):
+    """All requests rejected: no baseline run and no "speed-up 0.00x ... outputs identical"."""
+    rc = main(["generate", ngram_yaml, "--prompt", "", "--max-tokens", "0"])
+    cap = capsys.readouterr()
+    assert rc == 1 and "[request 0] error: invalid SamplingParams: max_tokens = 0" in cap.err
+    assert "speed-up" not in cap.out and "speculative:" not in cap.out
+    rc = main(["generate", ngram_yaml, "--prompt", "", "--json"])
+    (obj,) = _json_lines(capsys.readouterr().out)
+    assert rc == 1 and obj["finish_reason"] == "error" and "baseline" not in obj
+
+
 def test_bad_config_exits_2(tmp_path, tiny_llama_dir, capsys):
     rc = main(["generate", str(tmp_path / "missing.yaml"), "--prompt", "x"])
     cap = capsys.readouterr()

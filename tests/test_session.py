@@ -257,6 +257,30 @@ def test_earliest_stop_string_wins_and_others_unaffected(llama, stop_case):
     assert outs[1].finish_reason == "length"
 
 
+def test_output_cut_inside_a_character_drops_it(llama):
+    """max_tokens ending inside a multi-byte character (an emoji is several byte-level
+    tokens) must not leave U+FFFD in the text or the stream."""
+    import torch
+
+    from specc.runtime.request import Request
+
+    ids = llama.tokenizer.encode("\U0001F30D", add_special_tokens=False)  # the globe emoji
+    assert len(ids) > 1 and llama._detokenize(ids[:1]).endswith("\ufffd")
+
+    def request(max_tokens):
+        return Request(request_id=0, prompt="p", prompt_token_ids=[1], params=SamplingParams(max_tokens=max_tokens),
+                       generator=torch.Generator(), eos_token_ids=frozenset(), max_model_len=64)
+
+    cut = request(1)
+    cut.append_tokens(ids[:1], llama._detokenize)
+    assert cut.finish_reason == "length" and cut.text == "" and cut.stream_delta() == ""
+    whole = request(len(ids) + 1)
+    whole.append_tokens(ids[:1], llama._detokenize)
+    assert not whole.finished and whole.stream_delta() == ""  # held back while incomplete
+    whole.append_tokens(ids[1:], llama._detokenize)
+    assert whole.stream_delta() == whole.text == "\U0001F30D"
+
+
 def test_stop_token_id(llama, stop_case):
     full, _ = stop_case
     tok = full.token_ids[5]
@@ -325,6 +349,19 @@ def test_unseeded_requests_follow_the_session_seed(tiny_llama_dir):
     assert first[0] != first[1]  # each request draws its own seed
 
 
+def test_seeds_of_any_size_wrap_like_torch(tiny_llama_dir, llama):
+    """torch seeds are 64-bit: seeds past 2**64 or below -2**63 (a request's or the session
+    stream's) used to fail with torch's "Overflow when unpacking long long"."""
+    sp = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    big, wrapped = llama.generate(["x", "x"], [SamplingParams(seed=2**70 + 5, **sp), SamplingParams(seed=5, **sp)])
+    assert big.error is None and big.token_ids == wrapped.token_ids  # 2**70 + 5 = 5 mod 2**64
+    neg, pos = llama.generate(["x", "x"], [SamplingParams(seed=-1, **sp), SamplingParams(seed=2**64 - 1, **sp)])
+    assert neg.error is None and neg.token_ids == pos.token_ids  # torch wraps negatives mod 2**64
+    huge = Session(_cfg(tiny_llama_dir, seed=2**62), verbose=False)  # session seed stream past 2**64
+    (out,) = huge.generate("x", SamplingParams(**sp))
+    assert out.error is None and len(out.token_ids) == 6
+
+
 def test_top_k_and_top_p_restrict_the_choice(llama):
     sp = SamplingParams(temperature=1.5, top_k=3, max_tokens=20, seed=3, logprobs=5, ignore_eos=True)
     (out,) = llama.generate("Restrict me", sp)
@@ -389,6 +426,18 @@ def test_config_errors_raise_config_error(tiny_llama_dir, tmp_path):
         Session(str(bad), verbose=False)
     with pytest.raises(ConfigError, match="config file not found"):
         Session(str(tmp_path / "missing.yaml"), verbose=False)
+
+
+def test_kv_cache_that_cannot_be_allocated_is_a_config_error(tiny_llama_dir, monkeypatch):
+    from specc.models import kv_cache
+
+    def no_memory(*args, **kwargs):  # what torch's CPU allocator raises
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    monkeypatch.setattr(kv_cache.KVCache, "__init__", no_memory)
+    with pytest.raises(ConfigError, match=r"max_model_len = 128, max_num_seqs = 4: the KV cache .* GiB.*"
+                                          r"lower max_model_len or max_num_seqs"):
+        Session(_cfg(tiny_llama_dir), verbose=False)
 
 
 def test_unavailable_device_is_a_config_error(tiny_llama_dir):

@@ -106,32 +106,32 @@ def resolve_target(spec: str | Path, base_dir: Path | None = None) -> Path:
             return path
         if path.suffix.lower() == ".gguf":
             return path
-        raise ValueError(f"target {raw!r} is the file {path}, which is neither an HF folder "
+        raise ValueError(f"{raw!r} is the file {path}, which is neither an HF folder "
                          f"nor a .gguf file")
     if raw.lower() in EMBEDDED_MODELS:
         return _embedded_path(raw.lower())
     if raw.lower().endswith(".gguf") or "/" in raw or "\\" in raw or raw.startswith((".", "~")):
         raise FileNotFoundError(
-            f"target {raw!r}: {path} does not exist (expected an HF folder with config.json "
+            f"{raw!r}: {path.absolute()} does not exist (expected an HF folder with config.json "
             f"and *.safetensors, or a .gguf file)")
     raise ValueError(
-        f"target {raw!r} is neither an existing path (looked for {path}) nor an embedded "
+        f"{raw!r} is neither an existing path (looked for {path.absolute()}) nor an embedded "
         f"model; embedded models: {', '.join(EMBEDDED_MODELS)}")
 
 
 def _check_hf_folder(folder: Path, raw: str) -> None:
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"target {raw!r}: no config.json in {folder} (not an HF model folder)")
+        raise FileNotFoundError(f"{raw!r}: no config.json in {folder} (not an HF model folder)")
     if any(folder.glob("*.safetensors")):
         return
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
     if pickles:
         raise ValueError(
-            f"target {raw!r}: {folder} has only pickle weights ({', '.join(pickles[:4])}); specc "
+            f"{raw!r}: {folder} has only pickle weights ({', '.join(pickles[:4])}); specc "
             f"never unpickles. Fix: convert to safetensors, e.g. "
             f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, "
             f"safe_serialization=True) in a trusted environment")
-    raise FileNotFoundError(f"target {raw!r}: no *.safetensors weights in {folder}")
+    raise FileNotFoundError(f"{raw!r}: no *.safetensors weights in {folder}")
 
 
 def resolve_hf_folder(spec: str | Path, base_dir: Path | None = None) -> Path:

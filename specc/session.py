@@ -57,9 +57,14 @@ class Session:
         except ConfigError:
             raise
         except (FileNotFoundError, ValueError) as e:  # a target that cannot load
-            raise ConfigError(str(e), label) from e
+            raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
+        if cfg.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len = {cfg.max_model_len} exceeds the target's max_position_embeddings = "
+                f"{mc.max_position_embeddings} (positions it was trained for); lower max_model_len", label,
+            )
         try:
             self.kv_cache = KVCache(
                 mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,

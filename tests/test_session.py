@@ -440,6 +440,12 @@ def test_kv_cache_that_cannot_be_allocated_is_a_config_error(tiny_llama_dir, mon
         Session(_cfg(tiny_llama_dir), verbose=False)
 
 
+def test_max_model_len_beyond_the_models_positions_is_a_config_error(tiny_llama_dir):
+    # the tiny models are built with max_position_embeddings = 2048
+    with pytest.raises(ConfigError, match=r"max_model_len = 4096 exceeds the target's max_position_embeddings = 2048"):
+        Session(dict(_cfg(tiny_llama_dir), max_model_len=4096), verbose=False)
+
+
 def test_unavailable_device_is_a_config_error(tiny_llama_dir):
     import torch
 

@@ -174,6 +174,8 @@ def select(prompts: list[BenchPrompt], categories: list[str] | None, num_prompts
     by_cat: dict[str, list[BenchPrompt]] = {}
     for p in prompts:
         by_cat.setdefault(p.category, []).append(p)
+    # inside a grouped column (MT-bench's 8 categories) take its sub-categories in turn
+    by_cat = {cat: _interleave_raw(items) for cat, items in by_cat.items()}
     picked: list[BenchPrompt] = []
     depth = 0
     while len(picked) < num_prompts:
@@ -183,6 +185,18 @@ def select(prompts: list[BenchPrompt], categories: list[str] | None, num_prompts
         depth += 1
     order = {id(p): i for i, p in enumerate(prompts)}
     return sorted(picked, key=lambda p: order[id(p)])  # keep the file's (category) order
+
+
+def _interleave_raw(items: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Reorder one column's prompts round-robin over their raw (file) categories, so the
+    first N of a grouped column cover its sub-categories evenly."""
+    groups: dict[str, list[BenchPrompt]] = {}
+    for p in items:
+        groups.setdefault(p.raw_category, []).append(p)
+    out: list[BenchPrompt] = []
+    for depth in range(max(len(g) for g in groups.values())):
+        out += [g[depth] for g in groups.values() if depth < len(g)]
+    return out
 
 
 def _prompt_from_row(row: dict, where: str, default_id: str) -> BenchPrompt:

@@ -241,3 +241,15 @@ def test_profile_cli_writes_traces_plots_and_model(tmp_path, tiny_llama_dir, sma
     cm = summary["cost_model"]
     assert 0.0 <= cm["alpha"] <= 1.0 and cm["r"] > 0
     assert set(cm["predicted"]) == {"paper", "measured_verify", "with_empty_steps"}
+
+
+def test_select_covers_the_subcategories_of_a_grouped_column(tmp_path):
+    # Spec-Bench groups MT-bench's 8 categories into one column: the first N of that column
+    # must take the sub-categories in turn, not N prompts of the first one
+    lines = [{"question_id": i, "category": cat, "turns": [f"{cat}{i}"]}
+             for i, cat in enumerate(["writing"] * 3 + ["roleplay"] * 3 + ["math"] * 3)]
+    lines.append({"question_id": 99, "category": "translation", "turns": ["t"]})
+    path = tmp_path / "sb.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    picked = select(read_jsonl(path), None, 4)
+    assert sorted(p.raw_category for p in picked if p.category == "mt_bench") == ["math", "roleplay", "writing"]

@@ -168,19 +168,17 @@ class Engine:
             for b, req in enumerate(running):
                 if req.finished:
                     continue
-                # advance by the tokens kept, not the tokens the step produced: a stop
-                # inside the block drops the rest, and their K/V is no longer the request's
-                n_before = len(req.output_token_ids)
-                self._emit(req, tokens[b][: accepted[b] + 1], processed[b], num_drafts=nds[b])
-                req.num_computed += len(req.output_token_ids) - n_before
+                req.num_computed += self._emit(req, tokens[b][: accepted[b] + 1], processed[b], num_drafts=nds[b])
             if self.proposer is not None and proposal is not None:
                 self.proposer.on_verified(batch, accepted)
 
-    def _emit(self, req: Request, tokens: list[int], processed: torch.Tensor, num_drafts: int | None) -> None:
+    def _emit(self, req: Request, tokens: list[int], processed: torch.Tensor, num_drafts: int | None) -> int:
         """Append a step's tokens (stop checks cut them), then logprobs and counters.
 
         ``processed``: ``[n, V]`` processed target logits at the step's positions.
         ``num_drafts``: draft tokens verified this step (None for the prefill token).
+        Returns how many of ``tokens`` were kept: a stop inside the block drops the rest,
+        and the request's K/V count advances by the kept tokens only.
         """
         kept = req.append_tokens(tokens, self.detokenize)
         m = req.metrics
@@ -194,7 +192,7 @@ class Engine:
                 top = list(zip(top_ids[i].tolist(), top_lp[i].tolist()))
                 req.logprobs.append(TokenLogprob(int(tok[i]), float(lp[i]), top))
         if num_drafts is None:
-            return
+            return kept
         m.num_steps += 1
         if num_drafts > 0:
             # a step's accepted count is what it emitted minus the one recovered/bonus
@@ -208,6 +206,7 @@ class Engine:
                 spec.accepted_per_position += [0] * (self.k - len(spec.accepted_per_position))
             for i in range(kept - 1):
                 spec.accepted_per_position[i] += 1
+        return kept
 
     @staticmethod
     def _batch(requests: list[Request]) -> StepBatch:

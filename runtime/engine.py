@@ -47,6 +47,7 @@ class Engine:
         kv_cache: ``num_slots`` = max_num_seqs, length max_model_len + 1 (trash position).
         detokenize: ``list[int] -> str`` (stop strings, streaming).
         proposer: the drafter, or None for non-speculative decoding.
+        max_num_seqs: most requests running at once (default: the cache's slots).
     """
 
     def __init__(
@@ -55,8 +56,10 @@ class Engine:
         kv_cache: KVCache,
         detokenize: Callable[[list[int]], str],
         proposer: Proposer | None = None,
+        max_num_seqs: int | None = None,
     ):
         self.model = model
+        self.max_num_seqs = max_num_seqs or kv_cache.num_slots
         self.cache = kv_cache
         self.detokenize = traced(detokenize, "specc.detokenize")
         self.proposer = proposer
@@ -71,7 +74,7 @@ class Engine:
         waiting = deque(requests)
         running: list[Request] = []
         while waiting or running:
-            while waiting and len(running) < self.cache.num_slots:
+            while waiting and len(running) < self.max_num_seqs:
                 req = waiting.popleft()
                 running.append(req)
                 with stage("specc.prefill"):
@@ -99,14 +102,8 @@ class Engine:
 
     def _prefill(self, req: Request, slot: int) -> None:
         """Write the prompt's K/V into ``slot`` and sample the first output token."""
-        ids = req.prompt_token_ids
-        cache = self.cache.slots(slot, slot + 1)
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            piece = torch.tensor([ids[start : start + PREFILL_CHUNK]], dtype=torch.long)
-            pos = torch.arange(start, start + piece.shape[1], dtype=torch.long)[None]
-            out = self.model(piece, pos, cache, kv_len=start + piece.shape[1])
-        req.num_computed = len(ids)
-        logits = out.logits[:, -1]  # [1, V]
+        logits = self._prefill_logits(req.prompt_token_ids, slot)  # [1, V]
+        req.num_computed = len(req.prompt_token_ids)
         batch = self._batch([req])
         processed = process_logits(logits, batch.temperature, batch.top_k, batch.top_p)
         u = torch.rand(1, generator=req.generator)
@@ -114,10 +111,21 @@ class Engine:
             tok = logits.argmax(-1)
         else:
             tok = sample_from_probs(torch.softmax(processed, -1), u)
-        self._emit(req, [int(tok)], processed, num_drafts=None)
+        lp = _EagerLogprobs(processed[None], [[int(tok)]])
+        self._emit(req, [int(tok)], lambda n, top: lp(0, n, top), num_drafts=None)
         req.metrics.time_to_first_token = time.perf_counter() - req.arrival_time
         if self.proposer is not None and not req.finished:
             self.proposer.prefill(req, slot)
+
+    def _prefill_logits(self, ids: list[int], slot: int) -> torch.Tensor:
+        """Run the prompt ``ids`` through the target into ``slot``'s cache, in chunks of
+        ``PREFILL_CHUNK`` tokens; returns the raw logits ``[1, V]`` of its last token."""
+        cache = self.cache.slots(slot, slot + 1)
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            piece = torch.tensor([ids[start : start + PREFILL_CHUNK]], dtype=torch.long)
+            pos = torch.arange(start, start + piece.shape[1], dtype=torch.long)[None]
+            out = self.model(piece, pos, cache, kv_len=start + piece.shape[1])
+        return out.logits[:, -1]
 
     def _step(self, running: list[Request]) -> None:
         B, k = len(running), self.k
@@ -137,6 +145,33 @@ class Engine:
             nd = torch.zeros(B, dtype=torch.long)
             drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), None
 
+        tokens, accepted, logprobs = self._verify(running, batch, drafts, nd, draft_probs, uniforms)
+        nds = nd.tolist()
+        with stage("specc.bookkeeping"):
+            for b, req in enumerate(running):
+                if req.finished:
+                    continue
+                req.num_computed += self._emit(req, tokens[b][: accepted[b] + 1],
+                                               lambda n, top, b=b: logprobs(b, n, top), num_drafts=nds[b])
+            if self.proposer is not None and proposal is not None:
+                self.proposer.on_verified(batch, accepted)
+
+    def _verify(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, nd: torch.Tensor,
+                draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
+        """Target verify + accept/reject for one step.
+
+        Args:
+            drafts: ``[B, K]`` int64 draft tokens (``K`` may be 0); ``nd``: ``[B]`` int64
+                drafts per row; ``draft_probs``: ``[B, K, V]`` or None (one-hot q);
+                ``uniforms``: ``[B, 2k + 1]`` float32 (see the module docstring).
+
+        Returns:
+            ``(tokens, accepted, logprobs)``: per row the emitted block
+            ``tokens[b][: accepted[b] + 1]`` (lists of ints), and
+            ``logprobs(b, n, num_top) -> (token_logprob [n], top_ids [n, num_top],
+            top_logprobs [n, num_top])`` for the first ``n`` emitted tokens of row ``b``.
+        """
+        B, k, K = len(running), self.k, drafts.shape[1]
         # verify input: [last_token, d_1 .. d_K]; positions past each row's drafts → trash
         last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
         ids = torch.cat([last, drafts], dim=1)
@@ -163,19 +198,14 @@ class Engine:
             )
             tokens = result.output_token_ids.tolist()
             accepted = result.num_accepted.tolist()
-            nds = nd.tolist()
-        with stage("specc.bookkeeping"):
-            for b, req in enumerate(running):
-                if req.finished:
-                    continue
-                req.num_computed += self._emit(req, tokens[b][: accepted[b] + 1], processed[b], num_drafts=nds[b])
-            if self.proposer is not None and proposal is not None:
-                self.proposer.on_verified(batch, accepted)
+        return tokens, accepted, _EagerLogprobs(processed, tokens)
 
-    def _emit(self, req: Request, tokens: list[int], processed: torch.Tensor, num_drafts: int | None) -> int:
+    def _emit(self, req: Request, tokens: list[int], logprobs, num_drafts: int | None) -> int:
         """Append a step's tokens (stop checks cut them), then logprobs and counters.
 
-        ``processed``: ``[n, V]`` processed target logits at the step's positions.
+        ``logprobs(n, num_top)``: ``(token_logprob [n], top_ids [n, num_top],
+        top_logprobs [n, num_top])`` of the first ``n`` tokens (called only when the
+        request asks for logprobs).
         ``num_drafts``: draft tokens verified this step (None for the prefill token).
         Returns how many of ``tokens`` were kept: a stop inside the block drops the rest,
         and the request's K/V count advances by the kept tokens only.
@@ -185,12 +215,11 @@ class Engine:
         m.num_generation_tokens = len(req.output_token_ids)
         m.tokens_per_step.append(kept)
         if req.params.logprobs is not None:
-            tok = torch.tensor(tokens[:kept], dtype=torch.long)
-            lp, top_ids, top_lp = compute_logprobs(processed[:kept], tok, req.params.logprobs)
+            lp, top_ids, top_lp = logprobs(kept, req.params.logprobs)
             req.logprobs = req.logprobs or []
             for i in range(kept):
                 top = list(zip(top_ids[i].tolist(), top_lp[i].tolist()))
-                req.logprobs.append(TokenLogprob(int(tok[i]), float(lp[i]), top))
+                req.logprobs.append(TokenLogprob(tokens[i], float(lp[i]), top))
         if num_drafts is None:
             return kept
         m.num_steps += 1
@@ -216,3 +245,17 @@ class Engine:
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         greedy = torch.tensor([p.is_greedy for p in ps], dtype=torch.bool)
         return StepBatch(requests, temperature, top_k, top_p, greedy)
+
+
+class _EagerLogprobs:
+    """Logprobs of a step's emitted tokens, computed on demand from the processed logits.
+
+    ``processed``: ``[B, T, V]`` float32; ``tokens``: per row the emitted ids (``-1`` pads
+    beyond the block are never asked for)."""
+
+    def __init__(self, processed: torch.Tensor, tokens: list[list[int]]):
+        self.processed, self.tokens = processed, tokens
+
+    def __call__(self, b: int, n: int, num_top: int):
+        tok = torch.tensor(self.tokens[b][:n], dtype=torch.long)
+        return compute_logprobs(self.processed[b, :n], tok, num_top)

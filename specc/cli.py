@@ -17,8 +17,19 @@ def main(argv: list[str] | None = None) -> int:
         description="specc: compiler-first speculative decoding for LLMs.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    g = sub.add_parser("generate", help="generate text from a model.yaml (streams to the terminal)")
-    g.add_argument("config", help="model.yaml (see examples/)")
+    c = sub.add_parser(
+        "compile", help="build every program for every batch bucket into an artifact folder",
+        description="Traces the target with torch.export, runs specc's FX passes and lowers each program "
+        "(prefill, decode, spec_step per batch bucket) with AOTInductor into DIR (written atomically). "
+        "Open it with `specc generate DIR` or Session(DIR). See docs/compile.md.",
+    )
+    c.add_argument("config", help="model.yaml (see examples/)")
+    c.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact folder (an earlier artifact is replaced)")
+    c.add_argument("--threads", type=int, metavar="N", help="torch CPU threads while compiling")
+    c.set_defaults(func=_compile)
+    g = sub.add_parser("generate", help="generate text from a model.yaml or an artifact (streams to the terminal)")
+    g.add_argument("config", help="model.yaml (see examples/) or an artifact folder from `specc compile`")
+    g.add_argument("--enforce-eager", action="store_true", help="run the eager reference path (no compilation)")
     g.add_argument("--prompt", action="append", help=f"prompt text; repeat for a batch (default: {DEMO_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompts")
     g.add_argument("--max-tokens", type=int, help="override sampling.max_tokens")
@@ -44,10 +55,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _generate(args) -> int:
-    from specc import SamplingParams, Session
+def _open_session(config: str, enforce_eager: bool):
+    """Session on a yaml or an artifact folder; ``enforce_eager`` overrides the yaml."""
+    from specc import Session
+    from specc.config import load_config
 
-    session = Session(args.config)
+    if enforce_eager:
+        if Path(config).is_dir():
+            raise ValueError(f"--enforce-eager: {config} is a compiled artifact; give the model.yaml instead")
+        return Session(load_config(config, overrides={"enforce_eager": True}))
+    return Session(config)
+
+
+def _compile(args) -> int:
+    from specc.compiler import compile_artifact
+
+    _set_threads(args.threads)
+    t0 = time.perf_counter()
+    out = compile_artifact(args.config, args.output)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"specc: wrote {out} ({size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f}s; "
+          f"run it: specc generate {args.output} --prompt ...")
+    return 0
+
+
+def _set_threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        if n < 1:
+            raise ValueError(f"--threads {n}: must be >= 1")
+        torch.set_num_threads(n)
+
+
+def _generate(args) -> int:
+    from specc import SamplingParams
+
+    session = _open_session(args.config, args.enforce_eager)
     overrides = {
         k: v
         for k, v in dict(
@@ -153,7 +197,8 @@ def _add_perf_commands(sub) -> None:
 
 
 def _dataset_args(p, required: bool) -> None:
-    p.add_argument("config", help="model.yaml (see examples/)")
+    p.add_argument("config", help="model.yaml (see examples/) or an artifact folder from `specc compile`")
+    p.add_argument("--enforce-eager", action="store_true", help="run the eager reference path (no compilation)")
     p.add_argument("--dataset", required=required, metavar="spec_bench|mt_bench|humaneval|FILE.jsonl",
                    help="prompt set (docs/bench.md: JSONL fields)")
     p.add_argument("--dataset-path", metavar="FILE.jsonl", help="the question.jsonl for --dataset spec_bench / mt_bench")
@@ -167,7 +212,6 @@ def _dataset_args(p, required: bool) -> None:
 
 
 def _load_bench_inputs(args):
-    from specc import Session
     from specc.datasets import load_dataset, select
 
     # argument checks before the model loads
@@ -191,13 +235,8 @@ def _load_bench_inputs(args):
                       num_prompts=args.num_prompts, chat=args.chat)
     if args.quick and args.num_prompts is None:
         ds.prompts = select(ds.prompts, None, max(len(ds.categories), QUICK_MIN_PROMPTS))
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads}: must be >= 1")
-        torch.set_num_threads(args.threads)
-    session = Session(args.config)
+    _set_threads(args.threads)
+    session = _open_session(args.config, args.enforce_eager)
     if args.max_tokens is not None:
         max_tokens = args.max_tokens
     else:

@@ -230,6 +230,7 @@ class SpeccConfig(BaseModel):
     max_num_seqs: Int = Field(default=8, ge=1)
     batch_buckets: list[Int] = Field(default_factory=lambda: [1, 2, 4, 8])
     speculative_config: SpeculativeConfig | None = None
+    enforce_eager: bool = False
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     seed: Int = 0
 

@@ -6,23 +6,32 @@ import itertools
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from specc.artifact import ArtifactError
 from specc.config import ConfigError, SpeccConfig, load_config
 from specc.outputs import RequestMetrics, RequestOutput, SpecMetrics
+from specc.runtime.replay import cache_slots
 from specc.sampling_params import SamplingParams
 
 Prompt = str | list[dict] | list[int]
 
 
 class Session:
-    """Loads a target (and drafter) from a config and generates text.
+    """Loads a target (and drafter) from a config or a compiled artifact and generates text.
+
+    Three ways in: an artifact folder written by ``specc compile`` (opened without
+    tracing or compiling; refused when stale or truncated, see :mod:`specc.artifact`);
+    a config with ``enforce_eager: false`` (the default), compiled on first use into
+    specc's cache (``$SPECC_CACHE_DIR/compiled/<key>``) and opened from there afterwards;
+    a config with ``enforce_eager: true``, run on the eager reference path.
 
     Args:
-        config: a ``model.yaml`` path, a dict with the same fields, or a
-            :class:`specc.config.SpeccConfig`.
+        config: an artifact folder, a ``model.yaml`` path, a dict with the same fields,
+            or a :class:`specc.config.SpeccConfig`.
         proposer: a custom :class:`specc.runtime.drafters.base.Proposer` used instead of
             the config's ``speculative_config`` (research and tests: oracle, scripted or
             adversarial drafters).
@@ -30,6 +39,8 @@ class Session:
 
     Raises:
         specc.config.ConfigError: the config is invalid or names weights that cannot load.
+        specc.artifact.ArtifactError: the artifact is truncated, or stale (built with
+            another torch / transformers, for another device kind, config or weights).
 
     Attributes:
         metrics: :class:`specc.outputs.SpecMetrics` summed over every request so far.
@@ -42,22 +53,21 @@ class Session:
         proposer=None,
         verbose: bool = True,
     ):
-        from specc.models.kv_cache import KVCache
-        from specc.models.loader import load_model
         from specc.runtime.drafters.factory import build_proposer
-        from specc.runtime.engine import Engine
 
-        self.config = load_config(config)
-        cfg = self.config
-        label = str(config) if isinstance(config, (str, os.PathLike)) else None
-        _check_device(cfg.device, label)
         t0 = time.perf_counter()
-        try:
-            self.target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
-        except ConfigError:
-            raise
-        except (FileNotFoundError, ValueError) as e:  # a target that cannot load
-            raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
+        label = str(config) if isinstance(config, (str, os.PathLike)) else None
+        if label is not None and Path(label).expanduser().is_dir():
+            self._open_compiled(Path(label).expanduser(), verbose)  # an artifact folder
+        else:
+            self.config = load_config(config)
+            _check_device(self.config.device, label)
+            if self.config.enforce_eager:
+                self.target = self._load_target(label)
+                self.programs = None
+            else:
+                self._open_compiled(self._compiled_artifact(label, verbose), verbose, self.config)
+        cfg = self.config
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         if cfg.max_model_len > mc.max_position_embeddings:
@@ -65,19 +75,8 @@ class Session:
                 f"max_model_len = {cfg.max_model_len} exceeds the target's max_position_embeddings = "
                 f"{mc.max_position_embeddings} (positions it was trained for); lower max_model_len", label,
             )
-        try:
-            self.kv_cache = KVCache(
-                mc.num_hidden_layers, cfg.max_num_seqs, mc.num_key_value_heads,
-                cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device,
-            )
-        except RuntimeError as e:  # torch's allocator: not enough memory for the preallocated cache
-            need = (2 * mc.num_hidden_layers * cfg.max_num_seqs * mc.num_key_value_heads * (cfg.max_model_len + 1)
-                    * mc.head_dim * torch.empty((), dtype=cfg.torch_dtype).element_size())
-            raise ConfigError(
-                f"max_model_len = {cfg.max_model_len}, max_num_seqs = {cfg.max_num_seqs}: the KV cache "
-                f"({need / 2**30:.1f} GiB, preallocated for max_num_seqs x max_model_len) cannot be allocated on "
-                f"{cfg.device}; lower max_model_len or max_num_seqs ({str(e).splitlines()[0][:200]})", label,
-            ) from e
+        slots = cfg.max_num_seqs if self.programs is None else cache_slots(cfg.max_num_seqs, cfg.batch_buckets)
+        self.kv_cache = self._allocate_cache(slots, label)
         try:
             self.proposer = proposer if proposer is not None else build_proposer(cfg, self.target, self.kv_cache)
         except ConfigError as e:
@@ -86,16 +85,20 @@ class Session:
             raise ConfigError(e.errors, label) from e  # prefix the file name, as load_config does
         except (FileNotFoundError, ValueError) as e:  # a drafter that cannot load
             raise ConfigError(f"speculative_config.model = {cfg.speculative_config.model!r}: {e}", label) from e
-        self.engine = Engine(self.target.model, self.kv_cache, self._detokenize, self.proposer)
-        self.baseline_engine = (
-            Engine(self.target.model, self.kv_cache, self._detokenize, None) if self.proposer else self.engine
-        )
+        self.engine = self._engine(self.proposer)
+        self.baseline_engine = self._engine(None) if self.proposer else self.engine
         self.eos_token_ids = self._eos_ids()
         self.metrics = SpecMetrics()
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self._ids = itertools.count()
         if verbose:
-            print(f"specc: loaded {cfg.target} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            mode = "eager" if self.programs is None else f"compiled, {len(self.artifact.programs)} programs"
+            print(f"specc: loaded {cfg.target} ({mode}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    @property
+    def compiled(self) -> bool:
+        """True when the steps replay compiled programs (an artifact), False on the eager path."""
+        return self.programs is not None
 
     # -- public --------------------------------------------------------------------------
     def generate(
@@ -186,6 +189,90 @@ class Session:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- internals -----------------------------------------------------------------------
+    def _load_target(self, label):
+        from specc.models.loader import load_model
+
+        cfg = self.config
+        try:
+            return load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
+        except ConfigError:
+            raise
+        except (FileNotFoundError, ValueError) as e:  # a target that cannot load
+            raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
+
+    def _compiled_artifact(self, label, verbose: bool) -> Path:
+        """The artifact for this config in specc's compile cache, built on first use."""
+        from specc.artifact import compiled_cache_key
+        from specc.compiler import check_compilable, compile_artifact, plan_programs
+        from specc.models.gguf_cache import cache_dir
+        from specc.models.loader import resolve_hf_folder, weights_hash
+
+        cfg = self.config
+        check_compilable(cfg, label)
+        try:
+            folder = resolve_hf_folder(cfg.target)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
+        path = cache_dir() / "compiled" / compiled_cache_key(cfg.to_dict(), weights_hash(folder))
+        if not (path / "manifest.json").is_file():
+            if verbose:
+                print(f"specc: first use of this config: compiling {len(plan_programs(cfg))} programs into "
+                      f"{path} (minutes on a small CPU; `enforce_eager: true` skips compilation)", file=sys.stderr)
+            compile_artifact(cfg, path, progress=verbose, target=self._load_target(label))
+        return path
+
+    def _open_compiled(self, path: Path, verbose: bool, config: SpeccConfig | None = None) -> None:
+        """Open an artifact (checked: see specc.artifact) and load its programs."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specc.artifact import MODEL_DIR, open_artifact, program_config_diff
+        from specc.models.llama import ModelConfig
+        from specc.models.loader import LoadedModel, weights_hash
+        from specc.runtime.replay import ProgramSet
+
+        art = open_artifact(path)
+        if config is not None:
+            diff = program_config_diff(art.config, config.to_dict())
+            if diff:
+                raise ArtifactError([f"{path}: built for another config: {d}" for d in diff] + [art.rebuild_hint()])
+        self.config = config if config is not None else load_config(art.config)
+        source = Path(art.manifest["source"]["target_folder"])
+        if source.is_dir() and weights_hash(source) != art.manifest["weights_hash"]:
+            raise ArtifactError(f"{path}: the target's weights in {source} changed since the artifact was built "
+                                f"(sha256 {weights_hash(source)[:12]}, built from {art.manifest['weights_hash'][:12]}); "
+                                f"{art.rebuild_hint()}")
+        hf_config = AutoConfig.from_pretrained(art.path(MODEL_DIR))
+        self.artifact = art
+        self.programs = ProgramSet(art, self.config.device)
+        self.target = LoadedModel(model=None, tokenizer=AutoTokenizer.from_pretrained(art.path(MODEL_DIR)),
+                                  config=ModelConfig.from_hf(hf_config), hf_config=hf_config, folder=source,
+                                  weights_hash=art.manifest["weights_hash"])
+
+    def _allocate_cache(self, num_slots: int, label):
+        from specc.models.kv_cache import KVCache
+
+        cfg, mc = self.config, self.target.config
+        try:
+            return KVCache(mc.num_hidden_layers, num_slots, mc.num_key_value_heads,
+                           cfg.max_model_len, mc.head_dim, cfg.torch_dtype, cfg.device)
+        except RuntimeError as e:  # torch's allocator: not enough memory for the preallocated cache
+            need = (2 * mc.num_hidden_layers * num_slots * mc.num_key_value_heads * (cfg.max_model_len + 1)
+                    * mc.head_dim * torch.empty((), dtype=cfg.torch_dtype).element_size())
+            raise ConfigError(
+                f"max_model_len = {cfg.max_model_len}, max_num_seqs = {cfg.max_num_seqs}: the KV cache "
+                f"({need / 2**30:.1f} GiB, preallocated for max_num_seqs x max_model_len) cannot be allocated on "
+                f"{cfg.device}; lower max_model_len or max_num_seqs ({str(e).splitlines()[0][:200]})", label,
+            ) from e
+
+    def _engine(self, proposer):
+        from specc.runtime.engine import Engine
+        from specc.runtime.replay import CompiledEngine
+
+        n = self.config.max_num_seqs
+        if self.programs is None:
+            return Engine(self.target.model, self.kv_cache, self._detokenize, proposer, max_num_seqs=n)
+        return CompiledEngine(self.programs, self.kv_cache, self._detokenize, proposer, max_num_seqs=n)
+
     def _make_request(self, prompt: Prompt, params: SamplingParams, chat: bool | None):
         from specc.runtime.request import Request
 

@@ -94,10 +94,11 @@ def drafter_spec(method: str, k: int, model_dir=None, **overrides) -> dict:
 
 
 def make_session(model_dir, spec: dict | None = None, *, proposer=None, max_model_len: int = 256,
-                 max_num_seqs: int = 4, **config) -> Session:
+                 max_num_seqs: int = 4, enforce_eager: bool = True, **config) -> Session:
     """A quiet :class:`Session` on the model in ``model_dir``: speculative config ``spec``
     (None: no drafter), or a test drafter ``proposer``; ``config``: other config fields."""
-    cfg = dict(target=str(model_dir), max_model_len=max_model_len, max_num_seqs=max_num_seqs, **config)
+    cfg = dict(target=str(model_dir), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+               enforce_eager=enforce_eager, **config)
     if spec is not None:
         cfg["speculative_config"] = spec
     return Session(cfg, proposer=proposer, verbose=False)

@@ -38,7 +38,8 @@ def small_file(tmp_path):
 
 
 def _config(tmp_path, target, spec: dict | None, name: str = "cfg.yaml"):
-    cfg = {"target": str(target), "max_model_len": 256, "max_num_seqs": 2, "batch_buckets": [1, 2]}
+    cfg = {"target": str(target), "max_model_len": 256, "max_num_seqs": 2, "batch_buckets": [1, 2],
+           "enforce_eager": True}
     if spec:
         cfg["speculative_config"] = spec
     path = tmp_path / name

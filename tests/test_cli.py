@@ -16,7 +16,7 @@ PROMPT = "The quick brown fox"
 def _yaml(tmp_path, target, name="model.yaml", extra="") -> str:
     path = tmp_path / name
     path.write_text(
-        f"target: {target}\nmax_model_len: 128\nmax_num_seqs: 4\nbatch_buckets: [1, 2, 4]\n"
+        f"target: {target}\nmax_model_len: 128\nmax_num_seqs: 4\nbatch_buckets: [1, 2, 4]\nenforce_eager: true\n"
         f"sampling:\n  temperature: 0.0\n  max_tokens: 8\n{extra}"
     )
     return str(path)
@@ -39,7 +39,7 @@ def reference(tiny_llama_dir):
     """What Session gives for the CLI's prompts (greedy, 8 tokens)."""
     from specc import SamplingParams, Session
 
-    s = Session({"target": str(tiny_llama_dir), "max_model_len": 128}, verbose=False)
+    s = Session({"target": str(tiny_llama_dir), "max_model_len": 128, "enforce_eager": True}, verbose=False)
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     return {p: s.generate(p, sp)[0] for p in (PROMPT, "Second prompt")}
 

@@ -21,7 +21,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 def _cfg(folder, **kw) -> dict:
     cfg = {"target": str(folder), "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
-           "batch_buckets": [1, 2, 4], "sampling": {"max_tokens": 5}}
+           "batch_buckets": [1, 2, 4], "sampling": {"max_tokens": 5}, "enforce_eager": True}
     cfg.update(kw)
     return cfg
 

@@ -1,0 +1,244 @@
+"""Fuse the speculative accept/reject into a verify program.
+
+A verify program (:class:`specc.runtime.programs.VerifyProgram`, flattened by
+:func:`specc.passes.signature.export_flat`) returns the target's logits ``[B, T, V]``
+for ``T = k + 1`` tokens per row (the last token, then ``k`` draft slots). Copying those
+logits to the host costs ``B * T * V`` floats per step; the host only needs the tokens the
+step emits, how many drafts were accepted, and the logprobs of the emitted tokens.
+:func:`fuse_accept_reject` appends that work — exactly what the eager reference
+(:meth:`specc.runtime.engine.Engine._step`) does after the target forward — to the
+graph, so the compiled program returns only those small tensors:
+
+1. ``drafts = input_ids[:, 1:]`` (the draft slots; entries at index
+   ``>= num_draft_tokens[b]`` are padding and never read as tokens);
+2. ``processed = process_logits`` over the ``B * T`` rows, each row with its request's
+   temperature / top-k / top-p (under tracing the top-k/top-p sort sits behind a
+   ``torch.cond`` that skips it when no row filters);
+3. :func:`specc.kernels.rejection_sampler.rejection_sample` with a deterministic drafter
+   (``draft_probs=None``), ``is_greedy = greedy_mask(temperature)``, the accept-test
+   uniforms ``uniforms[:, k:2k]`` and the recovered/bonus uniform ``uniforms[:, 2k]``
+   (the engine's ``[B, 2k + 1]`` layout; columns ``0..k-1`` belong to a sampling drafter
+   and are not read here);
+4. :func:`specc.runtime.sampling.compute_logprobs` of every output position (a ``-1``
+   token is scored as token 0; its value is meaningless).
+
+``k = 0`` (``T = 1``, ``uniforms [B, 1]``) is the non-speculative decode program: no
+drafts, the one emitted token is the greedy argmax or a sample with ``uniforms[:, 0]``.
+
+The computation is the plain function :func:`accept_reject_outputs`; the pass traces it
+(``export_flat``) and splices it into the program with :mod:`specc.passes.splice`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from specc.kernels.rejection_sampler import rejection_sample
+from specc.passes.signature import export_flat, output_node, output_values
+from specc.passes.splice import splice
+from specc.runtime.sampling import compute_logprobs, greedy_mask, process_logits
+
+__all__ = [
+    "ACCEPT_REJECT_INPUTS",
+    "ACCEPT_REJECT_OUTPUTS",
+    "accept_reject_outputs",
+    "fuse_accept_reject",
+]
+
+#: Placeholders :func:`fuse_accept_reject` appends, in order.
+ACCEPT_REJECT_INPUTS = ("num_draft_tokens", "uniforms", "temperature", "top_k", "top_p")
+#: What the fused program returns, in order.
+ACCEPT_REJECT_OUTPUTS = ("output_token_ids", "num_accepted", "token_logprobs",
+                         "top_logprob_ids", "top_logprobs")
+
+
+def _check_shapes(logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p,
+                  k: int, max_logprobs: int) -> None:
+    if k < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    bsz, t, vocab = logits.shape
+    if t != k + 1:
+        raise ValueError(f"logits have T = {t} positions; num_speculative_tokens = {k} needs T = {k + 1}")
+    if not 0 <= max_logprobs <= vocab:
+        raise ValueError(f"max_logprobs must be in 0..V = 0..{vocab}, got {max_logprobs}")
+    expected = {
+        "input_ids": (input_ids, (bsz, t)),
+        "num_draft_tokens": (num_draft_tokens, (bsz,)),
+        "uniforms": (uniforms, (bsz, 2 * k + 1)),
+        "temperature": (temperature, (bsz,)),
+        "top_k": (top_k, (bsz,)),
+        "top_p": (top_p, (bsz,)),
+    }
+    for name, (x, shape) in expected.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+
+
+def accept_reject_outputs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    num_speculative_tokens: int,
+    max_logprobs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One speculative step's accept/reject and logprobs from the verify logits.
+
+    Args (``B`` rows, ``k = num_speculative_tokens``, ``T = k + 1``):
+        logits: ``[B, T, V]`` float32 raw target logits of ``[last, d_1 .. d_k]``.
+        input_ids: ``[B, T]`` int64, the verified tokens; ``input_ids[:, 1:]`` are the
+            drafts (padding beyond ``num_draft_tokens[b]``: any value).
+        num_draft_tokens: ``[B]`` int64 in ``0..k`` (clamped to it).
+        uniforms: ``[B, 2k + 1]`` float32 in ``[0, 1)``: columns ``k..2k-1`` are the
+            accept tests, column ``2k`` the recovered/bonus token's (``0..k-1``, a
+            sampling drafter's, are ignored).
+        temperature: ``[B]`` float32, ``<= 0`` = greedy row.
+        top_k: ``[B]`` int64, ``<= 0`` (or ``>= V``) = off.
+        top_p: ``[B]`` float32, ``1.0`` = off.
+        num_speculative_tokens: ``k >= 0``.
+        max_logprobs: number of top alternatives returned per position, ``0..V``.
+
+    Returns:
+        ``(output_token_ids [B, T] int64, num_accepted [B] int64,
+        token_logprobs [B, T] float32, top_logprob_ids [B, T, max_logprobs] int64,
+        top_logprobs [B, T, max_logprobs] float32)``: the accepted drafts then the
+        recovered/bonus token, ``-1`` after; the accepted count; the logprob of each
+        output token under the processed target distribution (meaningless where the
+        token is ``-1``); the top alternatives, descending.
+
+    Raises:
+        ValueError: on inconsistent shapes or arguments.
+    """
+    k = int(num_speculative_tokens)
+    _check_shapes(logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p,
+                  k, int(max_logprobs))
+    bsz, t, vocab = logits.shape
+    rows = bsz * t
+
+    def per_position(x: torch.Tensor) -> torch.Tensor:  # [B] -> [B * T], row-major like logits
+        return x.unsqueeze(1).expand(bsz, t).reshape(rows)
+
+    processed = process_logits(
+        logits.reshape(rows, vocab), per_position(temperature), per_position(top_k),
+        per_position(top_p),
+    )
+    result = rejection_sample(
+        processed.view(bsz, t, vocab),
+        input_ids[:, 1:],
+        num_draft_tokens,
+        None,
+        greedy_mask(temperature),
+        uniforms[:, k : 2 * k],
+        uniforms[:, 2 * k],
+    )
+    tokens = result.output_token_ids
+    token_lp, top_ids, top_lp = compute_logprobs(processed, tokens.clamp_min(0).reshape(rows),
+                                                 int(max_logprobs))
+    m = top_ids.shape[-1]
+    return (tokens, result.num_accepted, token_lp.view(bsz, t), top_ids.view(bsz, t, m),
+            top_lp.view(bsz, t, m))
+
+
+class _AcceptReject(torch.nn.Module):
+    """:func:`accept_reject_outputs` as a module, for tracing; the argument names become
+    the guest graph's placeholder names."""
+
+    def __init__(self, num_speculative_tokens: int, max_logprobs: int) -> None:
+        super().__init__()
+        self.k = num_speculative_tokens
+        self.max_logprobs = max_logprobs
+
+    def forward(self, logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p):
+        return accept_reject_outputs(logits, input_ids, num_draft_tokens, uniforms, temperature,
+                                     top_k, top_p, num_speculative_tokens=self.k,
+                                     max_logprobs=self.max_logprobs)
+
+
+def _meta_val(node: fx.Node, what: str) -> torch.Tensor:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"{what} ({node.name}) has no tensor meta['val']: the graph must come "
+                         "from torch.export (export_flat) so that shapes are known")
+    return val
+
+
+def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
+                       max_logprobs: int) -> fx.GraphModule:
+    """Append the accept/reject of :func:`accept_reject_outputs` to a verify graph.
+
+    Args:
+        gm: flat graph (``export_flat``) whose first placeholder is ``input_ids``
+            ``[B, T]`` int64 with ``T = num_speculative_tokens + 1`` and whose output is
+            ``(logits [B, T, V],)``; shapes are read from ``meta["val"]``. Modified in
+            place (and returned).
+        num_speculative_tokens: ``k >= 0``.
+        max_logprobs: top alternatives per position (``0..V``), e.g.
+            :data:`specc.sampling_params.MAX_LOGPROBS`.
+
+    Returns:
+        ``gm``, with the placeholders :data:`ACCEPT_REJECT_INPUTS` appended in order —
+        ``num_draft_tokens [B]`` int64, ``uniforms [B, 2k + 1]`` float32,
+        ``temperature [B]`` float32, ``top_k [B]`` int64, ``top_p [B]`` float32 — and
+        returning :data:`ACCEPT_REJECT_OUTPUTS` (shapes as in
+        :func:`accept_reject_outputs`) instead of the logits.
+
+    Raises:
+        ValueError: the graph does not meet the precondition (first placeholder,
+            single 3-D float output, ``T != k + 1``, missing shape metadata), an
+            appended placeholder name is taken, or ``max_logprobs`` is out of range.
+    """
+    k = int(num_speculative_tokens)
+    if k < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not phs or phs[0].name != "input_ids":
+        raise ValueError("fuse_accept_reject needs a graph whose first placeholder is input_ids, "
+                         f"got {[n.name for n in phs[:1]]}")
+    outs = output_values(gm)
+    if len(outs) != 1 or not isinstance(outs[0], fx.Node):
+        raise ValueError(f"fuse_accept_reject needs a graph returning (logits,), got {len(outs)} outputs")
+    ids_val = _meta_val(phs[0], "input_ids")
+    logits_val = _meta_val(outs[0], "logits")
+    if logits_val.dim() != 3 or not logits_val.dtype.is_floating_point:
+        raise ValueError(f"logits must be a float [B, T, V] tensor, got {logits_val.dtype} "
+                         f"{list(logits_val.shape)}")
+    bsz, t, vocab = (int(s) for s in logits_val.shape)
+    if tuple(ids_val.shape) != (bsz, t):
+        raise ValueError(f"input_ids {list(ids_val.shape)} and logits {list(logits_val.shape)} disagree")
+    if t != k + 1:
+        raise ValueError(f"the graph verifies T = {t} tokens per row; num_speculative_tokens = {k} "
+                         f"needs T = {k + 1}")
+    if not 0 <= max_logprobs <= vocab:
+        raise ValueError(f"max_logprobs must be in 0..V = 0..{vocab}, got {max_logprobs}")
+
+    dev = logits_val.device  # trace on the program's device: device kwargs are baked in
+    example = (
+        torch.empty(bsz, t, vocab, dtype=torch.float32, device=dev),
+        torch.zeros(bsz, t, dtype=torch.int64, device=dev),
+        torch.zeros(bsz, dtype=torch.int64, device=dev),
+        torch.zeros(bsz, 2 * k + 1, dtype=torch.float32, device=dev),
+        torch.zeros(bsz, dtype=torch.float32, device=dev),
+        torch.zeros(bsz, dtype=torch.int64, device=dev),
+        torch.ones(bsz, dtype=torch.float32, device=dev),
+    )
+    if logits_val.dtype != torch.float32:  # accept_reject_outputs works in float32
+        with gm.graph.inserting_before(output_node(gm.graph)):
+            logits_node = gm.graph.call_function(torch.ops.aten._to_copy.default, (outs[0],),
+                                                 {"dtype": torch.float32})
+    else:
+        logits_node = outs[0]
+    guest = export_flat(_AcceptReject(k, int(max_logprobs)), example)
+    inputs: dict[str, fx.Node | str] = {"logits": logits_node, "input_ids": phs[0]}
+    inputs.update({name: name for name in ACCEPT_REJECT_INPUTS})
+    results = splice(gm, guest, inputs)
+    output_node(gm.graph).args = (tuple(results),)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

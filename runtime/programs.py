@@ -1,0 +1,73 @@
+"""The modules specc traces into programs: plain forward functions over the target and
+the static KV cache, before any pass runs.
+
+Every program takes the KV cache as one flat tuple ``(k_0, v_0, k_1, v_1, ...)`` of
+per-layer tensors ``[b, kv_heads, max_model_len + 1, head_dim]`` (slots ``0..b-1`` of the
+session's cache, written in place) and attends over the whole cache length, so each
+program has one static shape per batch bucket; the causal mask (key ``j`` visible to a
+query at position ``p`` iff ``j <= p``) hides what lies beyond each sequence.
+
+* :class:`VerifyProgram` — ``[b, T]`` tokens in, ``[b, T, V]`` logits out. With
+  ``T = 1`` it is the body of ``decode[b]``; with ``T = k + 1`` (last token + k drafts)
+  the body of ``spec_step[b]``. :mod:`specc.passes.accept_reject` then appends the
+  on-device accept/reject, so the compiled program returns tokens, not logits.
+* :class:`PrefillProgram` — one prompt chunk ``[1, t]`` in, the logits at one index out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specc.models.kv_cache import KVCache
+from specc.models.llama import LlamaForCausalLM
+
+__all__ = ["VerifyProgram", "PrefillProgram", "flat_kv", "kv_view"]
+
+
+def flat_kv(cache: KVCache) -> tuple[torch.Tensor, ...]:
+    """``(k_0, v_0, k_1, v_1, ...)``: the per-layer tensors of ``cache`` as programs take them."""
+    return tuple(t for pair in zip(cache.k, cache.v) for t in pair)
+
+
+def kv_view(kv: tuple[torch.Tensor, ...], max_model_len: int) -> KVCache:
+    """A :class:`KVCache` over the flat tuple ``kv`` (no copy)."""
+    cache = KVCache.__new__(KVCache)
+    cache._init_views(list(kv[0::2]), list(kv[1::2]), max_model_len)
+    return cache
+
+
+class VerifyProgram(nn.Module):
+    """Target forward over ``T`` tokens per row, every key position of the cache.
+
+    forward(input_ids ``[b, T]`` int64, positions ``[b, T]`` int64 (padding at
+    ``max_model_len``, the cache's trash position), kv) -> logits ``[b, T, V]`` float32.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, max_model_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.max_model_len = max_model_len
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_view(kv, self.max_model_len)).logits
+
+
+class PrefillProgram(nn.Module):
+    """Target forward over one prompt chunk; returns the logits at ``last_index``.
+
+    forward(input_ids ``[1, t]`` int64, positions ``[1, t]`` int64 (padding at the trash
+    position), last_index ``[1]`` int64 (the chunk's last real token), kv) -> logits
+    ``[1, V]`` float32.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, max_model_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.max_model_len = max_model_len
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_index: torch.Tensor,
+                kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        logits = self.model(input_ids, positions, kv_view(kv, self.max_model_len)).logits
+        return logits.index_select(1, last_index).squeeze(1)

@@ -1,0 +1,202 @@
+"""Replay compiled programs: load an artifact's packages, bind one set of weights, and
+run the engine's steps through them.
+
+:class:`ProgramSet` opens every ``.pt2`` package of an artifact and binds the constants
+of ``weights.safetensors`` to each (user-managed: every program uses the same tensors,
+no copy). :class:`CompiledEngine` is the :class:`~specc.runtime.engine.Engine` with its
+two device parts replaced:
+
+* prefill: the prompt runs as chunks of the prefill buckets (largest chunk that fits
+  what is left; the tail is padded up to the smallest, pads written at the cache's trash
+  position), one ``prefill_t{t}`` call per chunk;
+* the step: the live rows (slots ``0..B-1``) are cut into groups of the largest bucket,
+  each group padded up to the smallest bucket that holds it (``num_rows`` tells the
+  program which rows are real); ``spec_step_b{b}`` when any row of the group has drafts,
+  else ``decode_b{b}``. Drafts are padded to k and the uniforms keep the eager layout
+  ``[B, 2k + 1]``, so a compiled step consumes each request's random stream exactly as
+  the eager step does (per-request seeds give the same tokens on both paths).
+
+Only the returned tokens, counts and logprobs come back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specc.artifact import Artifact, WEIGHTS
+from specc.models.kv_cache import KVCache
+from specc.runtime.drafters.base import Proposer, StepBatch
+from specc.runtime.engine import Engine
+from specc.runtime.request import Request
+from specc.runtime.tracing import stage
+
+__all__ = ["ProgramSet", "CompiledEngine", "cache_slots", "prefill_chunks"]
+
+
+@dataclass
+class _Program:
+    name: str
+    kind: str
+    batch: int
+    tokens: int
+    inputs: list[str]
+    runner: Callable
+
+
+class ProgramSet:
+    """The loaded programs of an artifact.
+
+    Attributes:
+        prefill: ``{t: program}`` by chunk length; ``decode`` / ``spec_step``: ``{b: program}``
+            by batch bucket; ``buckets``: sorted batch buckets; ``k``: draft tokens per
+            spec step (0 without speculation); ``max_logprobs``: top logprobs returned.
+    """
+
+    def __init__(self, artifact: Artifact, device: str = "cpu"):
+        from safetensors.torch import load_file
+
+        m = artifact.manifest
+        stored = load_file(str(artifact.path(WEIGHTS)), device=device)
+        constants = {name: stored[src] for name, src in m["constants"].items()}
+        self.prefill: dict[int, _Program] = {}
+        self.decode: dict[int, _Program] = {}
+        self.spec_step: dict[int, _Program] = {}
+        for p in m["programs"]:
+            runner = torch._inductor.aoti_load_package(str(artifact.path(p["file"])))
+            runner.load_constants({f: constants[f] for f in runner.get_constant_fqns()},
+                                  check_full_update=True, user_managed=True)
+            prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner)
+            if p["kind"] == "prefill":
+                self.prefill[p["tokens"]] = prog
+            else:
+                getattr(self, p["kind"])[p["batch"]] = prog
+        self.buckets = sorted(self.decode)
+        self.k = next(iter(self.spec_step.values())).tokens - 1 if self.spec_step else 0
+        self.max_logprobs = m["max_logprobs"]
+        self.weights = stored
+
+
+def cache_slots(max_num_seqs: int, buckets: list[int]) -> int:
+    """KV slots a compiled session needs for ``max_num_seqs`` live sequences: groups of
+    the largest bucket, the last group padded up to its bucket (padding rows write only
+    at the trash position of their own slot, so the slots must exist)."""
+    buckets = sorted(buckets)
+    top = buckets[-1]
+    full, rest = divmod(max_num_seqs, top)
+    return full * top + (next(b for b in buckets if b >= rest) if rest else 0)
+
+
+def prefill_chunks(n: int, buckets: list[int]) -> list[tuple[int, int]]:
+    """``[(real_tokens, bucket), ...]`` covering a prompt of ``n`` tokens: the largest
+    bucket that fits what is left, the tail padded up to the smallest bucket holding it."""
+    buckets = sorted(buckets)
+    out = []
+    while n > 0:
+        fit = [t for t in buckets if t <= n]
+        t = fit[-1] if fit else next(t for t in buckets if t >= n)
+        out.append((min(t, n), t))
+        n -= min(t, n)
+    return out
+
+
+class CompiledEngine(Engine):
+    """:class:`Engine` whose prefill and verify run compiled programs (module docstring).
+
+    Args:
+        programs: the loaded :class:`ProgramSet`.
+        kv_cache: the session's cache (``num_slots`` = max_num_seqs).
+        detokenize, proposer: as :class:`Engine`; a proposer's ``num_speculative_tokens``
+            must equal the programs' k (None for non-speculative decoding).
+        max_num_seqs: most requests running at once; the cache needs
+            :func:`cache_slots` slots for them (padded rows write into real slots).
+    """
+
+    def __init__(self, programs: ProgramSet, kv_cache: KVCache, detokenize, proposer: Proposer | None = None,
+                 max_num_seqs: int | None = None):
+        super().__init__(None, kv_cache, detokenize, proposer, max_num_seqs)
+        if kv_cache.num_slots < cache_slots(self.max_num_seqs, programs.buckets):
+            raise ValueError(f"kv_cache has {kv_cache.num_slots} slots; padding {self.max_num_seqs} sequences "
+                             f"to buckets {programs.buckets} needs {cache_slots(self.max_num_seqs, programs.buckets)}")
+        if proposer is not None and proposer.num_speculative_tokens != programs.k:
+            raise ValueError(f"proposer drafts {proposer.num_speculative_tokens} tokens, the programs verify "
+                             f"{programs.k}")
+        self.programs = programs
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def _kv(self, start: int, n: int) -> tuple[torch.Tensor, ...]:
+        """Flat per-layer views of slots ``start..start+n-1`` (cached: the views are fixed)."""
+        key = (start, n)
+        if key not in self._views:
+            c = self.cache
+            self._views[key] = tuple(t[start:start + n] for pair in zip(c.k, c.v) for t in pair)
+        return self._views[key]
+
+    def _prefill_logits(self, ids: list[int], slot: int) -> torch.Tensor:
+        dev, start = self.cache.device, 0
+        kv = self._kv(slot, 1)
+        for real, t in prefill_chunks(len(ids), list(self.programs.prefill)):
+            chunk = ids[start:start + real] + [0] * (t - real)
+            pos = list(range(start, start + real)) + [self.cache.trash_pos] * (t - real)
+            logits = self.programs.prefill[t].runner(
+                torch.tensor([chunk], device=dev), torch.tensor([pos], device=dev),
+                torch.tensor([real - 1], device=dev), *kv)[0]
+            start += real
+        return logits.float()
+
+    def _verify(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, nd: torch.Tensor,
+                draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
+        if draft_probs is not None:
+            raise NotImplementedError("compiled steps verify deterministic drafts only (ngram)")
+        B, top = len(running), self.programs.buckets[-1]
+        tokens: list[list[int]] = []
+        accepted: list[int] = []
+        rows_lp: list[tuple[torch.Tensor, ...]] = []  # per row: (token_lp [T], top_ids [T, L], top_lp [T, L])
+        for g0 in range(0, B, top):  # a batch beyond the largest bucket is split
+            rows = slice(g0, min(B, g0 + top))
+            out = self._run_group(running[rows], batch, rows, drafts[rows], nd[rows], uniforms[rows], g0)
+            tokens += out[0]
+            accepted += out[1]
+            rows_lp += list(zip(*out[2]))
+
+        def logprobs(b: int, n: int, num_top: int):
+            lp, ids, top_lp = rows_lp[b]
+            return lp[:n], ids[:n, :num_top], top_lp[:n, :num_top]
+
+        return tokens, accepted, logprobs
+
+    def _run_group(self, reqs, batch, rows, drafts, nd, uniforms, slot0):
+        n, k, dev = len(reqs), self.k, self.cache.device
+        b = next(x for x in self.programs.buckets if x >= n)
+        spec = k > 0 and drafts.shape[1] > 0 and bool((nd > 0).any())
+        prog = self.programs.spec_step[b] if spec else self.programs.decode[b]
+        width = k + 1 if spec else 1
+        pad = b - n
+        ids = torch.zeros(b, width, dtype=torch.long)
+        ids[:n, 0] = torch.tensor([r.last_token for r in reqs])
+        if spec:
+            ids[:n, 1:1 + drafts.shape[1]] = drafts
+        start = torch.tensor([r.num_computed for r in reqs] + [0] * pad)
+        offs = torch.arange(width)
+        nd_full = torch.cat([nd, nd.new_zeros(pad)]) if spec else torch.zeros(b, dtype=torch.long)
+        pos = torch.where(offs[None] <= nd_full[:, None], start[:, None] + offs[None],
+                          torch.full((b, width), self.cache.trash_pos))
+        u = uniforms if spec else uniforms[:, 2 * k:2 * k + 1]
+        u = torch.cat([u, u.new_zeros(pad, u.shape[1])])
+        values = {
+            "input_ids": ids, "positions": pos, "num_draft_tokens": nd_full, "uniforms": u,
+            "temperature": _pad(batch.temperature[rows], pad), "top_k": _pad(batch.top_k[rows], pad),
+            "top_p": _pad(batch.top_p[rows], pad, 1.0), "num_rows": torch.tensor(n),
+        }
+        kv = iter(self._kv(slot0, b))
+        args = [next(kv) if name.startswith("kv_") else values[name].to(dev) for name in prog.inputs]
+        with stage(f"specc.verify[{width}]"):  # verify + accept/reject, one program
+            out_ids, num_acc, tok_lp, top_ids, top_lp = prog.runner(*args)
+        return (out_ids[:n].tolist(), num_acc[:n].tolist(),
+                (tok_lp[:n].cpu(), top_ids[:n].cpu(), top_lp[:n].cpu()))
+
+
+def _pad(x: torch.Tensor, pad: int, value: float = 0) -> torch.Tensor:
+    return torch.cat([x, x.new_full((pad,), value)]) if pad else x

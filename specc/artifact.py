@@ -1,0 +1,225 @@
+"""The artifact folder `specc compile` writes and `Session(DIR)` opens.
+
+Layout (every path relative to the folder)::
+
+    manifest.json          what was built, for what, and the size + sha256 of every file
+    weights.safetensors    the constants of every program, one copy (programs bind them at load)
+    model/                 the target's HF config.json and tokenizer files
+    programs/<name>.pt2    one AOTInductor package per program per bucket
+                           (prefill_t32, decode_b1, spec_step_b4, ...)
+
+``manifest.json`` holds: ``format`` (:data:`FORMAT_VERSION`), ``config`` (the full
+``SpeccConfig`` as a dict), ``source`` (the config file and target it was built from),
+``environment`` (specc, torch, transformers versions, device kind), ``weights_hash``
+(sha256 of the target's safetensors, as ``specc.models.loader.weights_hash``),
+``programs`` (name, kind, batch, tokens, file, input and output signatures, compile
+seconds), ``constants`` (name -> stored name, for tied weights stored once) and
+``files`` (path -> size, sha256).
+
+Writing is atomic: everything goes to a temporary folder beside the destination, the
+manifest last, then one rename. Opening checks, before loading anything: the manifest
+parses and has the current format; every listed file exists with its size (a truncated
+copy fails here) and, for the small files (programs, tokenizer), its sha256; the
+environment matches this process (torch and transformers versions, device kind: the
+compiled code targets one CPU instruction set or GPU architecture). A mismatch raises
+:class:`ArtifactError` naming what differs and the command that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specc.config import ConfigError
+
+__all__ = [
+    "FORMAT_VERSION", "MANIFEST", "ArtifactError", "Artifact", "device_kind", "environment",
+    "compiled_cache_key", "open_artifact", "write_artifact", "program_config", "program_config_diff", "sha256_file",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+MODEL_DIR = "model"
+PROGRAMS_DIR = "programs"
+_HASHED_MAX_BYTES = 64 << 20  # files up to this size get their sha256 checked at open
+
+
+class ArtifactError(ConfigError):
+    """An artifact folder that cannot be used: missing, truncated, or built for another
+    environment, config or weights. The message says what differs and how to rebuild."""
+
+
+def device_kind(device: str) -> str:
+    """What compiled code is specific to: ``cpu/<arch>/<ISA>`` (e.g. ``cpu/x86_64/AVX512``)
+    or ``cuda/<GPU name>/sm_<major><minor>``."""
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda/{torch.cuda.get_device_name()}/sm_{major}{minor}"
+    if device == "cpu":
+        return f"cpu/{platform.machine()}/{torch.backends.cpu.get_cpu_capability()}"
+    return device
+
+
+def environment(device: str) -> dict[str, str]:
+    """The versions and device kind an artifact is pinned to."""
+    import transformers
+
+    from specc import __version__
+
+    return {"specc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "device_kind": device_kind(device)}
+
+
+# Config fields the compiled programs depend on (the rest: sampling defaults, seed,
+# prompt lookup sizes, are read at run time).
+_PROGRAM_FIELDS = ("dtype", "device", "max_model_len", "batch_buckets")
+_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens")
+
+
+def program_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config dict (``SpeccConfig.to_dict()``) the programs are built for."""
+    spec = config.get("speculative_config") or {}
+    return {**{f: config.get(f) for f in _PROGRAM_FIELDS},
+            "speculative_config": {f: spec.get(f) for f in _PROGRAM_SPEC_FIELDS} if spec else None}
+
+
+def program_config_diff(built: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Lines ``field: built X, config says Y`` for every program field that differs."""
+    a, b = program_config(built), program_config(wanted)
+    out = [f"{f}: artifact has {a[f]!r}, config has {b[f]!r}" for f in _PROGRAM_FIELDS if a[f] != b[f]]
+    if a["speculative_config"] != b["speculative_config"]:
+        out.append(f"speculative_config: artifact has {a['speculative_config']!r}, "
+                   f"config has {b['speculative_config']!r}")
+    return out
+
+
+def compiled_cache_key(config: dict[str, Any], weights_hash: str) -> str:
+    """Folder name, in specc's compile cache, of the artifact for a config: a hash of the
+    program fields, the target's weights hash and the environment."""
+    blob = json.dumps({"config": program_config(config), "weights": weights_hash,
+                       "environment": environment(config["device"]), "format": FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Artifact:
+    """An opened, checked artifact folder. ``manifest`` is the parsed ``manifest.json``."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest["config"]
+
+    @property
+    def programs(self) -> list[dict[str, Any]]:
+        return self.manifest["programs"]
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def rebuild_hint(self) -> str:
+        src = self.manifest.get("source", {}).get("config") or "CONFIG"
+        return f"rebuild it: specc compile {src} -o {self.root}"
+
+
+def write_artifact(out_dir: str | os.PathLike, build: Callable[[Path], dict[str, Any]]) -> Path:
+    """Build an artifact atomically.
+
+    ``build(tmp)`` writes every file into the temporary folder ``tmp`` and returns the
+    manifest without ``files``; this function adds the size and sha256 of every file,
+    writes ``manifest.json`` last and renames the folder to ``out_dir`` (an existing
+    artifact there is replaced; any other existing file or non-empty folder is refused).
+
+    Raises:
+        ArtifactError: ``out_dir`` exists and is not an artifact.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
+        raise ArtifactError(f"-o {out}: exists and is not a specc artifact folder; choose another "
+                            "output folder (specc only replaces an earlier artifact)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        manifest = build(tmp)
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = f.relative_to(tmp).as_posix()
+            files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+        manifest["files"] = files
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def open_artifact(path: str | os.PathLike, device: str | None = None) -> Artifact:
+    """Open and check an artifact folder (see the module docstring for the checks).
+
+    Args:
+        path: the folder ``specc compile -o`` wrote.
+        device: the device it will run on (default: the one it was built for).
+
+    Raises:
+        ArtifactError: no manifest, an unreadable or truncated manifest or file, another
+            format version, or built for another torch / transformers / device kind.
+    """
+    root = Path(path).expanduser().resolve()
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{root}: no {MANIFEST}: not a specc artifact (or an interrupted build); "
+                            "build one with: specc compile CONFIG -o DIR")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{mpath}: unreadable manifest ({e}); the artifact is truncated or corrupt: "
+                            "rebuild it with specc compile CONFIG -o DIR") from e
+    art = Artifact(root, manifest)
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ArtifactError(f"{root}: artifact format {manifest.get('format')!r}, this specc reads format "
+                            f"{FORMAT_VERSION}; {art.rebuild_hint()}")
+    problems = []
+    for rel, info in manifest.get("files", {}).items():
+        f = root / rel
+        if not f.is_file():
+            problems.append(f"{rel} is missing")
+        elif f.stat().st_size != info["size"]:
+            problems.append(f"{rel} has {f.stat().st_size} bytes, the manifest says {info['size']} (truncated?)")
+        elif info["size"] <= _HASHED_MAX_BYTES and sha256_file(f) != info["sha256"]:
+            problems.append(f"{rel} does not match its sha256 in the manifest (modified or corrupt)")
+    if problems:
+        raise ArtifactError([f"{root}: " + p for p in problems] + [f"{root}: {art.rebuild_hint()}"])
+    built = manifest["environment"]
+    here = environment(device or manifest["config"]["device"])
+    diff = [f"{k}: built with {built.get(k)!r}, this process has {here[k]!r}"
+            for k in ("torch", "transformers", "device_kind") if built.get(k) != here[k]]
+    if diff:
+        raise ArtifactError([f"{root}: stale artifact: " + d for d in diff] + [f"{root}: {art.rebuild_hint()}"])
+    return art

@@ -1,0 +1,229 @@
+"""`specc compile`: trace, transform and lower every program for every batch bucket.
+
+For each program (see DESIGN.md, "Programs"):
+
+1. export the plain module (:mod:`specc.runtime.programs`) with example inputs of the
+   program's static shapes → a flat FX graph (:func:`specc.passes.signature.export_flat`);
+2. run the passes: :func:`~specc.passes.fuse_projections.fuse_projections` (one GEMM for
+   q/k/v and one for gate/up); for the step programs
+   :func:`~specc.passes.accept_reject.fuse_accept_reject` (accept/reject, sampling and
+   logprobs on the device: the program returns tokens and counts, never logits) and
+   :func:`~specc.passes.bucket_padding.pad_rows` (padded rows of a bucket are inert);
+3. export the transformed graph again and lower it with AOTInductor into a ``.pt2``
+   package whose constants are kept out of the package: the artifact stores one
+   ``weights.safetensors`` for all programs and every program binds the same tensors at
+   load (:mod:`specc.runtime.replay`).
+
+Programs: ``prefill_t{t}`` (batch 1, prompt chunks of ``t`` tokens, ``t`` in
+:data:`PREFILL_BUCKETS`), ``decode_b{b}`` (one token per row: the non-speculative step,
+also used by a speculative session on steps where no row has drafts) and, with
+speculation, ``spec_step_b{b}`` (``[last token, d_1..d_k]`` per row) for every bucket
+``b``. Why AOTInductor packages rather than Inductor's caches: opening a package is a
+``dlopen`` (~0.2 s per program, measured) with no tracing at all, whereas a warm
+``torch.compile`` cache still re-traces the model with Dynamo on every start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specc.artifact import (FORMAT_VERSION, MODEL_DIR, PROGRAMS_DIR, WEIGHTS, ArtifactError,
+                            environment, write_artifact)
+from specc.config import ConfigError, SpeccConfig, load_config
+from specc.sampling_params import MAX_LOGPROBS
+
+__all__ = ["compile_artifact", "plan_programs", "PREFILL_BUCKETS", "COMPILED_METHODS"]
+
+#: Prompt chunk lengths of the prefill programs (batch 1). A prompt runs as chunks of the
+#: largest length that fits what is left, the tail padded up to the smallest.
+PREFILL_BUCKETS = (32, 256)
+#: Drafting methods whose step has a compiled program (None = no speculation).
+COMPILED_METHODS = (None, "ngram")
+
+
+def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
+    """The programs an artifact for ``config`` holds: ``{name, kind, batch, tokens}``
+    (``tokens`` = positions per row: the chunk length, 1, or k + 1)."""
+    plan = [dict(name=f"prefill_t{t}", kind="prefill", batch=1, tokens=t) for t in PREFILL_BUCKETS]
+    k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+    for b in config.batch_buckets:
+        plan.append(dict(name=f"decode_b{b}", kind="decode", batch=b, tokens=1))
+        if k:
+            plan.append(dict(name=f"spec_step_b{b}", kind="spec_step", batch=b, tokens=k + 1))
+    return plan
+
+
+def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
+    """ConfigError when ``config`` asks for something no compiled program implements yet."""
+    method = config.speculative_config.method if config.speculative_config else None
+    if method not in COMPILED_METHODS:
+        raise ConfigError(
+            f"speculative_config.method = {method!r}: compiled programs exist for 'ngram' and for "
+            "non-speculative decoding so far; set enforce_eager: true to run this method on the eager "
+            "path", label)
+    if config.device == "npu":
+        raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
+                          label)
+
+
+def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: str | os.PathLike, *,
+                     progress: bool = True, target=None) -> Path:
+    """Build the artifact folder for ``config`` at ``out_dir`` (atomically).
+
+    Args:
+        config: a ``model.yaml`` path, dict or :class:`SpeccConfig`.
+        out_dir: destination folder (an earlier artifact there is replaced).
+        progress: show a progress bar and per-program times on stderr.
+        target: an already loaded :class:`specc.models.loader.LoadedModel` (skips loading).
+
+    Returns:
+        the artifact folder.
+
+    Raises:
+        ConfigError: invalid config, a method without compiled programs, unloadable weights.
+        ArtifactError: ``out_dir`` exists and is not an artifact.
+    """
+    from specc.models.loader import load_model
+
+    label = str(config) if isinstance(config, (str, os.PathLike)) else None
+    cfg = load_config(config)
+    check_compilable(cfg, label)
+    if target is None:
+        try:
+            target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
+    plan = plan_programs(cfg)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        (tmp / PROGRAMS_DIR).mkdir()
+        constants: dict[str, torch.Tensor] = {}
+        bar = _progress(plan, progress)
+        for prog in bar:
+            if hasattr(bar, "set_description"):
+                bar.set_description(f"specc compile {prog['name']}")
+            t0 = time.perf_counter()
+            gm, args = build_program(target.model, cfg, prog)
+            _lower(gm, args, tmp / PROGRAMS_DIR / f"{prog['name']}.pt2")
+            prog["file"] = f"{PROGRAMS_DIR}/{prog['name']}.pt2"
+            prog["inputs"] = _signature(gm, args)
+            prog["compile_seconds"] = round(time.perf_counter() - t0, 2)
+            for name, t in _constants(gm).items():
+                constants.setdefault(name, t)
+            if progress:
+                print(f"specc: compiled {prog['name']} in {prog['compile_seconds']:.1f}s", file=sys.stderr)
+        stored = _save_weights(constants, tmp / WEIGHTS)
+        target.tokenizer.save_pretrained(tmp / MODEL_DIR)
+        target.hf_config.save_pretrained(tmp / MODEL_DIR)
+        return {
+            "format": FORMAT_VERSION,
+            "config": cfg.to_dict(),
+            "source": {"config": str(Path(label).resolve()) if label else None, "target": cfg.target,
+                       "target_folder": str(target.folder)},
+            "environment": environment(cfg.device),
+            "weights_hash": target.weights_hash,
+            "max_logprobs": MAX_LOGPROBS,
+            "prefill_buckets": list(PREFILL_BUCKETS),
+            "programs": plan,
+            "constants": stored,
+        }
+
+    return write_artifact(out_dir, build)
+
+
+def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
+    """The transformed flat graph of one program and its example inputs (flat tuple).
+
+    Input order: ``input_ids, positions, [last_index,] kv_0 .. kv_{2L-1}`` then, for the
+    step programs, the inputs the passes add (``num_draft_tokens, uniforms, temperature,
+    top_k, top_p, num_rows``)."""
+    from specc.models.kv_cache import KVCache
+    from specc.passes.accept_reject import fuse_accept_reject
+    from specc.passes.bucket_padding import pad_rows
+    from specc.passes.signature import export_flat, placeholders
+    from specc.runtime.programs import PrefillProgram, VerifyProgram, flat_kv
+
+    b, t, S, dev = prog["batch"], prog["tokens"], cfg.max_model_len, cfg.device
+    kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
+    ids = torch.zeros(b, t, dtype=torch.long, device=dev)
+    pos = torch.arange(t, device=dev).repeat(b, 1)
+    with torch.no_grad():
+        if prog["kind"] == "prefill":
+            last = torch.tensor([t - 1], device=dev)
+            gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv))
+            return gm, (ids, pos, last, *kv)
+        gm = export_flat(VerifyProgram(model, S), (ids, pos, kv))
+        k = t - 1
+        gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS)
+        gm = pad_rows(gm, trash_pos=S)
+    extra = step_example_inputs(b, k, dev)
+    names = list(placeholders(gm))
+    args = (ids, pos, *kv, *[extra[n] for n in names[2 + len(kv):]])
+    return gm, args
+
+
+def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:
+    """Example values of the inputs the step passes add, by placeholder name."""
+    return {
+        "num_draft_tokens": torch.zeros(b, dtype=torch.long, device=device),
+        "uniforms": torch.zeros(b, 2 * k + 1, dtype=torch.float32, device=device),
+        "temperature": torch.zeros(b, dtype=torch.float32, device=device),
+        "top_k": torch.zeros(b, dtype=torch.long, device=device),
+        "top_p": torch.ones(b, dtype=torch.float32, device=device),
+        "num_rows": torch.tensor(b, dtype=torch.long, device=device),
+    }
+
+
+def _lower(gm, args, path: Path) -> None:
+    """Export the transformed graph again and compile it into an AOTInductor package with
+    its constants kept outside (bound at load)."""
+    with torch.no_grad():
+        ep = torch.export.export(gm, tuple(args), strict=False)
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(path),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
+
+
+def _signature(gm, args) -> list[dict[str, Any]]:
+    from specc.passes.signature import placeholders
+
+    return [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype).removeprefix("torch.")}
+            for n, a in zip(placeholders(gm), args)]
+
+
+def _constants(gm) -> dict[str, torch.Tensor]:
+    return {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
+
+
+def _save_weights(constants: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
+    """Write each distinct tensor once; returns ``{constant name: stored name}`` (tied
+    weights such as a shared embedding / lm_head map to one stored tensor)."""
+    from safetensors.torch import save_file
+
+    stored: dict[str, str] = {}
+    by_storage: dict[tuple, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(constants):
+        t = constants[name]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in by_storage:
+            stored[name] = by_storage[key]
+            continue
+        by_storage[key] = stored[name] = name
+        tensors[name] = t.detach().to("cpu").contiguous()
+    save_file(tensors, str(path))
+    return stored
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, unit="program", file=sys.stderr, disable=not sys.stderr.isatty())

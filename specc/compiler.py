@@ -28,13 +28,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specc.artifact import (FORMAT_VERSION, MODEL_DIR, PROGRAMS_DIR, WEIGHTS, ArtifactError,
-                            environment, write_artifact)
+from specc.artifact import FORMAT_VERSION, MODEL_DIR, PROGRAMS_DIR, WEIGHTS, environment, write_artifact
 from specc.config import ConfigError, SpeccConfig, load_config
 from specc.sampling_params import MAX_LOGPROBS
 
@@ -109,8 +109,11 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             if hasattr(bar, "set_description"):
                 bar.set_description(f"specc compile {prog['name']}")
             t0 = time.perf_counter()
-            gm, args = build_program(target.model, cfg, prog)
-            _lower(gm, args, tmp / PROGRAMS_DIR / f"{prog['name']}.pt2")
+            with warnings.catch_warnings():  # torch-internal deprecation noise from export / pytree
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                gm, args = build_program(target.model, cfg, prog)
+                _lower(gm, args, tmp / PROGRAMS_DIR / f"{prog['name']}.pt2")
             prog["file"] = f"{PROGRAMS_DIR}/{prog['name']}.pt2"
             prog["inputs"] = _signature(gm, args)
             prog["compile_seconds"] = round(time.perf_counter() - t0, 2)

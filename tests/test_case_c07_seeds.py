@@ -87,31 +87,18 @@ def test_seeded_request_identical_alone_and_batched(method, tiny_llama_dir):
     "reductions round differently for other T / kv_len (~1e-5 on the logits). At "
     "temperature 2.0 over a 49k-token vocabulary that flips a sampled token often enough "
     "that about 1 seed in 12 gives a different output batched than alone (seed 42 happens "
-    "not to). Verifying at fixed shapes (T = k+1 and kv_len = the cache length, as "
-    "compiled programs will) makes this pass (checked by patching the engine); a model "
-    "drafter's forwards have batch-dependent shapes too."))
+    "not to). The compiled programs verify at fixed shapes (T = k+1, kv_len = the cache "
+    "length) and pass the same check (tests/test_compiled.py); a model drafter's eager "
+    "forwards have batch-dependent shapes too."))
 def test_seeded_request_logits_bitwise_independent_of_batch(tiny_llama_dir):
-    """Diagnostic for the numerics under C7: the processed target logits behind each token
-    of the seeded request, alone vs. batched, must be bitwise equal for batch invariance
-    to hold for every seed."""
+    """Diagnostic for the numerics under C7: for twelve seeds, the seeded request's tokens
+    and logprobs (log-softmax of the processed target logits behind each token), alone
+    vs. batched, must be bitwise equal for batch invariance to hold for every seed.
+    (tests/test_compiled.py holds the same check on the compiled programs, where it passes.)"""
     s = make_session(tiny_llama_dir, drafter_spec("ngram", K))
-    seen: dict[int, list[torch.Tensor]] = {}
-    orig = s.engine._emit
-
-    def emit(req, tokens, processed, num_drafts):
-        n_before = len(req.output_token_ids)
-        kept = orig(req, tokens, processed, num_drafts)
-        n = len(req.output_token_ids) - n_before
-        seen.setdefault(req.request_id, []).extend(processed[:n].clone().unbind(0))
-        return kept
-
-    s.engine._emit = emit
-    alone = s.generate(PROMPT, SamplingParams(**SEEDED))[0]
-    layout = [0, "S", 1]
-    outs = s.generate([PROMPT if x == "S" else OTHERS[x] for x in layout],
-                      [SamplingParams(**SEEDED) if x == "S" else _unseeded(x) for x in layout])
-    batched = outs[1]
-    assert batched.token_ids == alone.token_ids
-    a, b = seen[alone.request_id], seen[batched.request_id]
-    assert len(a) == len(b) == len(alone.token_ids)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for seed in range(12):
+        params = SamplingParams(**dict(SEEDED, seed=seed))
+        alone = s.generate(PROMPT, params)[0]
+        batched = s.generate([OTHERS[0], PROMPT, OTHERS[1]], [_unseeded(0), params, _unseeded(1)])[1]
+        assert [(lp.token_id, lp.logprob) for lp in batched.logprobs] == \
+            [(lp.token_id, lp.logprob) for lp in alone.logprobs], seed

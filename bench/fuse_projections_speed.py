@@ -9,8 +9,8 @@ keeps the original), ``pretranspose_skip`` (``shared="skip"``: the tied tensor i
 untransposed, lm_head stays an NT GEMM) and ``pretranspose+fused`` (fuse, then
 pretranspose).
 
-On the real SmolLM2-135M (fp32, 30 layers, tied embeddings), batch 1, a KV cache of
-max_model_len 1024, ONE torch thread: for each T in ``--tokens`` (default 1 and 5, i.e.
+On the real SmolLM2-135M (fp32, 30 layers, tied embeddings), batch ``--batch`` (default
+1), a KV cache of max_model_len 1024, ONE torch thread: for each T in ``--tokens`` (default 1 and 5, i.e.
 ``decode[1]`` and a 4-draft ``spec_step[1]``) the program is exported flat, transformed,
 and compiled with AOTInductor the way specc packages programs (constants not in the .so,
 bound at load with ``user_managed=True``). The variants are then timed interleaved (the
@@ -23,8 +23,8 @@ samples in ms per call, the min, the speed-up baseline/variant of the medians, a
 Also checks that every variant agrees with the baseline (max |dlogits|) and reports the
 size of each variant's constants.
 
-Usage: python bench/fuse_projections_speed.py [--tokens 1 5] [--repeats 60] [--inner 3]
-    [--variants baseline pretranspose ...]
+Usage: python bench/fuse_projections_speed.py [--tokens 1 5] [--batch 1] [--repeats 60]
+    [--inner 3] [--variants baseline pretranspose ...]
 One AOTInductor compile of the real model per variant and T (~50 s each on a 2-core box).
 """
 
@@ -65,19 +65,19 @@ VARIANTS = {
 }
 
 
-def compile_variant(model, cfg, max_model_len: int, T: int, variant: str, workdir: Path):
-    """(runner, args, note, constants_mb, compile_s): the AOTI-compiled VerifyProgram[b=1, T]."""
-    cache = KVCache.for_model(cfg, 1, max_model_len)
+def compile_variant(model, cfg, max_model_len: int, b: int, T: int, variant: str, workdir: Path):
+    """(runner, args, note, constants_mb, compile_s): the AOTI-compiled VerifyProgram[b, T]."""
+    cache = KVCache.for_model(cfg, b, max_model_len)
     kv = flat_kv(cache)
-    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
-    pos = (torch.arange(T) + 100)[None]
+    ids = torch.randint(0, cfg.vocab_size, (b, T), generator=torch.Generator().manual_seed(T))
+    pos = (torch.arange(T) + 100)[None].repeat(b, 1)
     gm = export_flat(VerifyProgram(model, max_model_len), (ids, pos, kv))
     note = VARIANTS[variant](gm)
     t0 = time.perf_counter()
     ep = torch.export.export(gm, (ids, pos, *kv), strict=False)
     tag = variant.replace("+", "_")
     path = torch._inductor.aoti_compile_and_package(
-        ep, package_path=str(workdir / f"verify_T{T}_{tag}.pt2"),
+        ep, package_path=str(workdir / f"verify_b{b}_T{T}_{tag}.pt2"),
         inductor_configs={"aot_inductor.package_constants_in_so": False})
     runner = torch._inductor.aoti_load_package(path)
     consts = {**dict(gm.named_parameters(remove_duplicate=False)),
@@ -92,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="smollm2-135m-instruct")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=60)
@@ -110,7 +111,7 @@ def main() -> None:
         for T in a.tokens:
             variants, sizes = {}, {}
             for v in names:
-                runner, args, note, mb, secs = compile_variant(model, cfg, a.max_model_len, T, v, Path(tmp))
+                runner, args, note, mb, secs = compile_variant(model, cfg, a.max_model_len, a.batch, T, v, Path(tmp))
                 variants[v], sizes[v] = (runner, args), mb
                 print(f"T={T} {v}: {note}; constants {mb:.0f} MiB; export+compile+load {secs:.0f} s",
                       flush=True)
@@ -134,7 +135,7 @@ def main() -> None:
     def q(xs, p):
         return statistics.quantiles(xs, n=10)[p] if len(xs) > 1 else xs[0]
 
-    print(f"\nSmolLM2-135M VerifyProgram, AOTInductor, b=1, max_model_len={a.max_model_len}, "
+    print(f"\nSmolLM2-135M VerifyProgram, AOTInductor, b={a.batch}, max_model_len={a.max_model_len}, "
           f"{a.threads} thread(s); ms per call: median [p10, p90] and min of {a.repeats} samples "
           f"x {a.inner} calls, interleaved; speed-up = baseline / variant (medians); paired = "
           f"median over rounds of baseline / variant within the round")

@@ -31,10 +31,11 @@ def flatten_signature(gm: fx.GraphModule) -> fx.GraphModule:
     return flat_gm
 
 
-def export_flat(module: torch.nn.Module, args: tuple) -> fx.GraphModule:
-    """Export ``module`` on ``args`` (non-strict) and flatten the result: inputs are the
-    leaves of ``args`` in order, outputs a tuple."""
-    gm = torch.export.export(module, args, strict=False).module()
+def export_flat(module: torch.nn.Module, args: tuple, dynamic_shapes=None) -> fx.GraphModule:
+    """Export ``module`` on ``args`` (non-strict; ``dynamic_shapes`` as for
+    ``torch.export.export``) and flatten the result: inputs are the leaves of ``args`` in
+    order, outputs a tuple."""
+    gm = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False).module()
     return flatten_signature(gm)
 
 

@@ -3,9 +3,12 @@ the static KV cache, before any pass runs.
 
 Every program takes the KV cache as one flat tuple ``(k_0, v_0, k_1, v_1, ...)`` of
 per-layer tensors ``[b, kv_heads, max_model_len + 1, head_dim]`` (slots ``0..b-1`` of the
-session's cache, written in place) and attends over the whole cache length, so each
-program has one static shape per batch bucket; the causal mask (key ``j`` visible to a
-query at position ``p`` iff ``j <= p``) hides what lies beyond each sequence.
+session's cache, written in place) and, last, ``key_positions`` ``[kv_len]`` int64
+(``arange(kv_len)``): attention reads cache positions ``[0, kv_len)``, with the causal
+mask (key ``j`` visible to a query at position ``p`` iff ``j <= p``) hiding what lies
+beyond each sequence. ``kv_len`` is the one dynamic dimension of a program (exported as
+a symbolic size): a step reads the K/V its rows hold, not the whole cache, while batch
+and token widths stay static per bucket.
 
 * :class:`VerifyProgram` — ``[b, T]`` tokens in, ``[b, T, V]`` logits out. With
   ``T = 1`` it is the body of ``decode[b]``; with ``T = k + 1`` (last token + k drafts)
@@ -37,11 +40,17 @@ def kv_view(kv: tuple[torch.Tensor, ...], max_model_len: int) -> KVCache:
     return cache
 
 
+def _kv_len(key_positions: torch.Tensor | None):
+    """Keys attended: ``key_positions``' length (symbolic under export), or the whole cache."""
+    return None if key_positions is None else key_positions.shape[0]
+
+
 class VerifyProgram(nn.Module):
     """Target forward over ``T`` tokens per row, every key position of the cache.
 
     forward(input_ids ``[b, T]`` int64, positions ``[b, T]`` int64 (padding at
-    ``max_model_len``, the cache's trash position), kv) -> logits ``[b, T, V]`` float32.
+    ``max_model_len``, the cache's trash position), kv, key_positions ``[kv_len]`` or
+    None (the whole cache)) -> logits ``[b, T, V]`` float32.
     """
 
     def __init__(self, model: LlamaForCausalLM, max_model_len: int) -> None:
@@ -49,17 +58,18 @@ class VerifyProgram(nn.Module):
         self.model = model
         self.max_model_len = max_model_len
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_view(kv, self.max_model_len)).logits
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                key_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_view(kv, self.max_model_len),
+                          kv_len=_kv_len(key_positions)).logits
 
 
 class PrefillProgram(nn.Module):
     """Target forward over one prompt chunk; returns the logits at ``last_index``.
 
     forward(input_ids ``[1, t]`` int64, positions ``[1, t]`` int64 (padding at the trash
-    position), last_index ``[1]`` int64 (the chunk's last real token), kv) -> logits
-    ``[1, V]`` float32.
+    position), last_index ``[1]`` int64 (the chunk's last real token), kv,
+    key_positions ``[kv_len]`` or None) -> logits ``[1, V]`` float32.
     """
 
     def __init__(self, model: LlamaForCausalLM, max_model_len: int) -> None:
@@ -68,6 +78,7 @@ class PrefillProgram(nn.Module):
         self.max_model_len = max_model_len
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_index: torch.Tensor,
-                kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        logits = self.model(input_ids, positions, kv_view(kv, self.max_model_len)).logits
+                kv: tuple[torch.Tensor, ...], key_positions: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(input_ids, positions, kv_view(kv, self.max_model_len),
+                            kv_len=_kv_len(key_positions)).logits
         return logits.index_select(1, last_index).squeeze(1)

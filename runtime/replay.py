@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from specc.artifact import Artifact, WEIGHTS
+from specc.compiler import KV_LEN_ALIGN
 from specc.models.kv_cache import KVCache
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.engine import Engine
@@ -125,6 +126,7 @@ class CompiledEngine(Engine):
                              f"{programs.k}")
         self.programs = programs
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._key_cache: dict[int, torch.Tensor] = {}
 
     def _kv(self, start: int, n: int) -> tuple[torch.Tensor, ...]:
         """Flat per-layer views of slots ``start..start+n-1`` (cached: the views are fixed)."""
@@ -134,6 +136,14 @@ class CompiledEngine(Engine):
             self._views[key] = tuple(t[start:start + n] for pair in zip(c.k, c.v) for t in pair)
         return self._views[key]
 
+    def _keys(self, needed: int) -> torch.Tensor:
+        """``key_positions`` for a call whose rows need keys ``[0, needed)``: ``arange`` of
+        ``needed`` rounded up to a multiple of KV_LEN_ALIGN, capped at max_model_len."""
+        kv_len = min(-(-needed // KV_LEN_ALIGN) * KV_LEN_ALIGN, self.cache.max_model_len)
+        if kv_len not in self._key_cache:
+            self._key_cache[kv_len] = torch.arange(kv_len, device=self.cache.device)
+        return self._key_cache[kv_len]
+
     def _prefill_logits(self, ids: list[int], slot: int) -> torch.Tensor:
         dev, start = self.cache.device, 0
         kv = self._kv(slot, 1)
@@ -142,7 +152,7 @@ class CompiledEngine(Engine):
             pos = list(range(start, start + real)) + [self.cache.trash_pos] * (t - real)
             logits = self.programs.prefill[t].runner(
                 torch.tensor([chunk], device=dev), torch.tensor([pos], device=dev),
-                torch.tensor([real - 1], device=dev), *kv)[0]
+                torch.tensor([real - 1], device=dev), *kv, self._keys(start + real))[0]
             start += real
         return logits.float()
 
@@ -186,7 +196,8 @@ class CompiledEngine(Engine):
         u = uniforms if spec else uniforms[:, 2 * k:2 * k + 1]
         u = torch.cat([u, u.new_zeros(pad, u.shape[1])])
         values = {
-            "input_ids": ids, "positions": pos, "num_draft_tokens": nd_full, "uniforms": u,
+            "input_ids": ids, "positions": pos, "key_positions": self._keys(int((start + nd_full).max()) + 1),
+            "num_draft_tokens": nd_full, "uniforms": u,
             "temperature": _pad(batch.temperature[rows], pad), "top_k": _pad(batch.top_k[rows], pad),
             "top_p": _pad(batch.top_p[rows], pad, 1.0), "num_rows": torch.tensor(n),
         }

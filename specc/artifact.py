@@ -193,6 +193,9 @@ def open_artifact(path: str | os.PathLike, device: str | None = None) -> Artifac
     """
     root = Path(path).expanduser().resolve()
     mpath = root / MANIFEST
+    if not mpath.is_file() and (root / "config.json").is_file():
+        raise ArtifactError(f"{root} is a model folder, not a specc artifact: write a model.yaml with "
+                            f"`target: {root}` and run that (or specc compile it)")
     if not mpath.is_file():
         raise ArtifactError(f"{root}: no {MANIFEST}: not a specc artifact (or an interrupted build); "
                             "build one with: specc compile CONFIG -o DIR")

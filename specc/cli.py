@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, help="override sampling.top_k")
     g.add_argument("--seed", type=int, help="per-request seed")
     g.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's); 1 avoids thread oversubscription on a busy machine")
     g.add_argument(
         "--no-baseline", action="store_true",
         help="with speculation: skip the non-speculative run used to report the speed-up",
@@ -91,6 +93,7 @@ def _set_threads(n: int | None) -> None:
 def _generate(args) -> int:
     from specc import SamplingParams
 
+    _set_threads(args.threads)
     session = _open_session(args.config, args.enforce_eager)
     overrides = {
         k: v

@@ -38,11 +38,13 @@ from specc.artifact import FORMAT_VERSION, MODEL_DIR, PROGRAMS_DIR, WEIGHTS, env
 from specc.config import ConfigError, SpeccConfig, load_config
 from specc.sampling_params import MAX_LOGPROBS
 
-__all__ = ["compile_artifact", "plan_programs", "PREFILL_BUCKETS", "COMPILED_METHODS"]
+__all__ = ["compile_artifact", "plan_programs", "PREFILL_BUCKETS", "COMPILED_METHODS", "KV_LEN_ALIGN"]
 
 #: Prompt chunk lengths of the prefill programs (batch 1). A prompt runs as chunks of the
 #: largest length that fits what is left, the tail padded up to the smallest.
 PREFILL_BUCKETS = (32, 256)
+#: The runtime rounds each call's kv_len (keys attended) up to a multiple of this.
+KV_LEN_ALIGN = 32
 #: Drafting methods whose step has a compiled program (None = no speculation).
 COMPILED_METHODS = (None, "ngram")
 
@@ -112,10 +114,10 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             with warnings.catch_warnings():  # torch-internal deprecation noise from export / pytree
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
-                gm, args = build_program(target.model, cfg, prog)
-                _lower(gm, args, tmp / PROGRAMS_DIR / f"{prog['name']}.pt2")
+                gm, args, dynamic_shapes = build_program(target.model, cfg, prog)
+                _lower(gm, args, dynamic_shapes, tmp / PROGRAMS_DIR / f"{prog['name']}.pt2")
             prog["file"] = f"{PROGRAMS_DIR}/{prog['name']}.pt2"
-            prog["inputs"] = _signature(gm, args)
+            prog["inputs"] = _signature(gm, args, dynamic_shapes)
             prog["compile_seconds"] = round(time.perf_counter() - t0, 2)
             for name, t in _constants(gm).items():
                 constants.setdefault(name, t)
@@ -141,11 +143,12 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
 
 
 def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
-    """The transformed flat graph of one program and its example inputs (flat tuple).
+    """The transformed flat graph of one program, its example inputs (flat tuple) and
+    their ``dynamic_shapes`` (``key_positions``' length, kv_len, is the one symbolic size).
 
-    Input order: ``input_ids, positions, [last_index,] kv_0 .. kv_{2L-1}`` then, for the
-    step programs, the inputs the passes add (``num_draft_tokens, uniforms, temperature,
-    top_k, top_p, num_rows``)."""
+    Input order: ``input_ids, positions, [last_index,] kv_0 .. kv_{2L-1}, key_positions``
+    then, for the step programs, the inputs the passes add (``num_draft_tokens, uniforms,
+    temperature, top_k, top_p, num_rows``)."""
     from specc.models.kv_cache import KVCache
     from specc.passes.accept_reject import fuse_accept_reject
     from specc.passes.bucket_padding import pad_rows
@@ -156,19 +159,30 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
     kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
     ids = torch.zeros(b, t, dtype=torch.long, device=dev)
     pos = torch.arange(t, device=dev).repeat(b, 1)
+    keys = torch.arange(max(S // 2, min_kv_len(S) + 1), device=dev)  # example kv_len, not a bound
+    kv_dim = torch.export.Dim("kv_len", min=min_kv_len(S), max=S)
+    no_kv = (None,) * len(kv)
     with torch.no_grad():
         if prog["kind"] == "prefill":
             last = torch.tensor([t - 1], device=dev)
-            gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv))
-            return gm, (ids, pos, last, *kv)
-        gm = export_flat(VerifyProgram(model, S), (ids, pos, kv))
+            dyn = (None, None, None, no_kv, {0: kv_dim})
+            gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv, keys), dyn)
+            return gm, (ids, pos, last, *kv, keys), (None, None, None, *no_kv, {0: kv_dim})
+        gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
         k = t - 1
         gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS)
         gm = pad_rows(gm, trash_pos=S)
     extra = step_example_inputs(b, k, dev)
     names = list(placeholders(gm))
-    args = (ids, pos, *kv, *[extra[n] for n in names[2 + len(kv):]])
-    return gm, args
+    rest = names[3 + len(kv):]
+    args = (ids, pos, *kv, keys, *[extra[n] for n in rest])
+    return gm, args, (None, None, *no_kv, {0: kv_dim}, *[None] * len(rest))
+
+
+def min_kv_len(max_model_len: int) -> int:
+    """Smallest kv_len a program takes: the runtime rounds kv_len up to a multiple of
+    :data:`KV_LEN_ALIGN` (capped at max_model_len), so it is never below this."""
+    return min(KV_LEN_ALIGN, max_model_len)
 
 
 def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:
@@ -183,21 +197,25 @@ def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:
     }
 
 
-def _lower(gm, args, path: Path) -> None:
+def _lower(gm, args, dynamic_shapes, path: Path) -> None:
     """Export the transformed graph again and compile it into an AOTInductor package with
     its constants kept outside (bound at load)."""
     with torch.no_grad():
-        ep = torch.export.export(gm, tuple(args), strict=False)
+        ep = torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic_shapes), strict=False)
         torch._inductor.aoti_compile_and_package(
             ep, package_path=str(path),
             inductor_configs={"aot_inductor.package_constants_in_so": False})
 
 
-def _signature(gm, args) -> list[dict[str, Any]]:
+def _signature(gm, args, dynamic_shapes) -> list[dict[str, Any]]:
+    """Name, dtype and shape of every input; a dynamic dimension is given by its name."""
     from specc.passes.signature import placeholders
 
-    return [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype).removeprefix("torch.")}
-            for n, a in zip(placeholders(gm), args)]
+    out = []
+    for n, a, dyn in zip(placeholders(gm), args, dynamic_shapes):
+        shape = [dyn[i].__name__ if dyn and i in dyn else s for i, s in enumerate(a.shape)]
+        out.append({"name": n, "shape": shape, "dtype": str(a.dtype).removeprefix("torch.")})
+    return out
 
 
 def _constants(gm) -> dict[str, torch.Tensor]:

@@ -87,14 +87,14 @@ def test_seeded_request_identical_alone_and_batched(method, tiny_llama_dir):
     "reductions round differently for other T / kv_len (~1e-5 on the logits). At "
     "temperature 2.0 over a 49k-token vocabulary that flips a sampled token often enough "
     "that about 1 seed in 12 gives a different output batched than alone (seed 42 happens "
-    "not to). The compiled programs verify at fixed shapes (T = k+1, kv_len = the cache "
-    "length) and pass the same check (tests/test_compiled.py); a model drafter's eager "
-    "forwards have batch-dependent shapes too."))
+    "not to). Only fixed shapes everywhere (T, kv_len and the GEMMs' row count) would "
+    "make it bitwise; the compiled programs fix T but not kv_len or the bucket "
+    "(tests/test_compiled.py checks their tokens); a model drafter's eager forwards have "
+    "batch-dependent shapes too."))
 def test_seeded_request_logits_bitwise_independent_of_batch(tiny_llama_dir):
     """Diagnostic for the numerics under C7: for twelve seeds, the seeded request's tokens
     and logprobs (log-softmax of the processed target logits behind each token), alone
-    vs. batched, must be bitwise equal for batch invariance to hold for every seed.
-    (tests/test_compiled.py holds the same check on the compiled programs, where it passes.)"""
+    vs. batched, must be bitwise equal for batch invariance to hold for every seed."""
     s = make_session(tiny_llama_dir, drafter_spec("ngram", K))
     for seed in range(12):
         params = SamplingParams(**dict(SEEDED, seed=seed))

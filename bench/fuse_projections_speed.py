@@ -10,21 +10,24 @@ untransposed, lm_head stays an NT GEMM) and ``pretranspose+fused`` (fuse, then
 pretranspose).
 
 On the real SmolLM2-135M (fp32, 30 layers, tied embeddings), batch ``--batch`` (default
-1), a KV cache of max_model_len 1024, ONE torch thread: for each T in ``--tokens`` (default 1 and 5, i.e.
-``decode[1]`` and a 4-draft ``spec_step[1]``) the program is exported flat, transformed,
-and compiled with AOTInductor the way specc packages programs (constants not in the .so,
-bound at load with ``user_managed=True``). The variants are then timed interleaved (the
-order rotates every round, so drift on a shared machine hits all alike): each sample is
-the mean of ``--inner`` calls; the table shows the median (and p10/p90) of ``--repeats``
-samples in ms per call, the min, the speed-up baseline/variant of the medians, and
-"paired" = the median over rounds of the ratio baseline/variant within one round
-(robust to a machine shared with other jobs), after ``--warmup`` calls of each.
+1), a KV cache of max_model_len 1024, ONE torch thread: for each T in ``--tokens``
+(default 1 and 5, i.e. ``decode[1]`` and a 4-draft ``spec_step[1]``) the program is
+exported flat (attending over the whole cache; with ``--kv-len N`` as
+``specc.compiler`` builds it, kv_len symbolic, and run with ``key_positions =
+arange(N)``), transformed, and compiled with AOTInductor the way specc packages
+programs (constants not in the .so, bound at load with ``user_managed=True``). The
+variants are then timed interleaved (the order rotates every round, so drift on a
+shared machine hits all alike): each sample is the mean of ``--inner`` calls; the table
+shows the median (and p10/p90) of ``--repeats`` samples in ms per call, the min, the
+speed-up baseline/variant of the medians, and "paired" = the median over rounds of the
+ratio baseline/variant within one round (robust to a machine shared with other jobs),
+after ``--warmup`` calls of each.
 
 Also checks that every variant agrees with the baseline (max |dlogits|) and reports the
 size of each variant's constants.
 
-Usage: python bench/fuse_projections_speed.py [--tokens 1 5] [--batch 1] [--repeats 60]
-    [--inner 3] [--variants baseline pretranspose ...]
+Usage: python bench/fuse_projections_speed.py [--tokens 1 5] [--batch 1] [--kv-len 0]
+    [--repeats 60] [--inner 3] [--variants baseline pretranspose ...]
 One AOTInductor compile of the real model per variant and T (~50 s each on a 2-core box).
 """
 
@@ -42,6 +45,7 @@ from specc.models.kv_cache import KVCache
 from specc.models.loader import load_model
 from specc.passes.fuse_projections import fuse_projections
 from specc.passes.pretranspose_weights import pretranspose_weights
+from specc.compiler import min_kv_len
 from specc.passes.signature import export_flat
 from specc.runtime.programs import VerifyProgram, flat_kv
 
@@ -65,16 +69,27 @@ VARIANTS = {
 }
 
 
-def compile_variant(model, cfg, max_model_len: int, b: int, T: int, variant: str, workdir: Path):
-    """(runner, args, note, constants_mb, compile_s): the AOTI-compiled VerifyProgram[b, T]."""
+def compile_variant(model, cfg, max_model_len: int, b: int, T: int, variant: str, workdir: Path,
+                    kv_len: int = 0):
+    """(runner, args, note, constants_mb, compile_s): the AOTI-compiled VerifyProgram[b, T]
+    (kv_len > 0: with a symbolic kv_len, called with that many keys)."""
     cache = KVCache.for_model(cfg, b, max_model_len)
     kv = flat_kv(cache)
     ids = torch.randint(0, cfg.vocab_size, (b, T), generator=torch.Generator().manual_seed(T))
     pos = (torch.arange(T) + 100)[None].repeat(b, 1)
-    gm = export_flat(VerifyProgram(model, max_model_len), (ids, pos, kv))
+    if kv_len:
+        keys = torch.arange(kv_len)
+        dim = torch.export.Dim("kv_len", min=min_kv_len(max_model_len), max=max_model_len)
+        no_kv = (None,) * len(kv)
+        gm = export_flat(VerifyProgram(model, max_model_len), (ids, pos, kv, keys),
+                         (None, None, no_kv, {0: dim}))
+        args, dyn = (ids, pos, *kv, keys), (None, None, *no_kv, {0: dim})
+    else:
+        gm = export_flat(VerifyProgram(model, max_model_len), (ids, pos, kv))
+        args, dyn = (ids, pos, *kv), None
     note = VARIANTS[variant](gm)
     t0 = time.perf_counter()
-    ep = torch.export.export(gm, (ids, pos, *kv), strict=False)
+    ep = torch.export.export(gm, args, dynamic_shapes=dyn, strict=False)
     tag = variant.replace("+", "_")
     path = torch._inductor.aoti_compile_and_package(
         ep, package_path=str(workdir / f"verify_b{b}_T{T}_{tag}.pt2"),
@@ -85,7 +100,7 @@ def compile_variant(model, cfg, max_model_len: int, b: int, T: int, variant: str
     bound = {f: consts[f] for f in runner.get_constant_fqns()}
     runner.load_constants(bound, check_full_update=True, user_managed=True)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in bound.values()}
-    return runner, (ids, pos, *kv), note, sum(storages.values()) / 2**20, time.perf_counter() - t0
+    return runner, args, note, sum(storages.values()) / 2**20, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -93,6 +108,7 @@ def main() -> None:
     ap.add_argument("--spec", default="smollm2-135m-instruct")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kv-len", type=int, default=0, help="0: attend over the whole cache (static)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=60)
@@ -111,7 +127,8 @@ def main() -> None:
         for T in a.tokens:
             variants, sizes = {}, {}
             for v in names:
-                runner, args, note, mb, secs = compile_variant(model, cfg, a.max_model_len, a.batch, T, v, Path(tmp))
+                runner, args, note, mb, secs = compile_variant(model, cfg, a.max_model_len, a.batch, T, v,
+                                                               Path(tmp), a.kv_len)
                 variants[v], sizes[v] = (runner, args), mb
                 print(f"T={T} {v}: {note}; constants {mb:.0f} MiB; export+compile+load {secs:.0f} s",
                       flush=True)
@@ -136,6 +153,7 @@ def main() -> None:
         return statistics.quantiles(xs, n=10)[p] if len(xs) > 1 else xs[0]
 
     print(f"\nSmolLM2-135M VerifyProgram, AOTInductor, b={a.batch}, max_model_len={a.max_model_len}, "
+          f"kv_len={a.kv_len or 'whole cache (static)'}, "
           f"{a.threads} thread(s); ms per call: median [p10, p90] and min of {a.repeats} samples "
           f"x {a.inner} calls, interleaved; speed-up = baseline / variant (medians); paired = "
           f"median over rounds of baseline / variant within the round")

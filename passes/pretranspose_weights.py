@@ -9,15 +9,15 @@ In a flat FX graph (:func:`specc.passes.signature.export_flat`), every
 ``W.t()`` as a contiguous ``[K, N]`` tensor (a copy; ``x`` may be 1-, 2- or N-D). The old
 attribute is deleted once nothing reads it. Every linear of a Llama-family program is
 rewritten: q/k/v/o, gate/up/down (or the ``fused__*`` weights of
-:func:`~specc.passes.fuse_projections.fuse_projections`, which should run first: it
-matches ``aten.linear`` only) and ``lm_head``.
+:func:`~specc.passes.fuse_projections.fuse_projections`, which, if used, must run
+first: it matches ``aten.linear`` only) and ``lm_head``.
 
 Why: NN vs NT GEMM for few rows
 -------------------------------
 ``aten.linear`` computes ``x @ W.t()``; Inductor lowers it to an extern ``mm``/``addmm``
 on ``reinterpret_tensor(W, [K, N], [1, K])``, i.e. MKL's sgemm with the B operand
 transposed (NT). With ``W_t`` stored ``[K, N]`` the same call gets a row-major B (NN):
-Inductor emits ``aot_inductor mm_out(buf, x2d, W_t)`` with no reinterpretation. At
+Inductor emits ``aoti_torch_cpu_mm_out(buf, x2d, W_t)``, no reinterpretation. At
 decode shapes (M = b * T rows, K = 576-1536) the GEMMs stream the weights once, and
 MKL's NN kernels stream them faster than its NT kernels for most small M. Isolated MKL
 sgemm, one thread, the 30 layers of SmolLM2-135M (7 projections each) + the 49152 x 576
@@ -30,8 +30,8 @@ sgemm, one thread, the 30 layers of SmolLM2-135M (7 projections each) + the 4915
 (the box is shared and noisy: +-5 %.) NN wins for M = 1 and 4-12, is neutral from 16
 on, and LOSES 10-18 % for M = 2 and 3 (MKL's NT path has a special skinny kernel
 there). Alternatives tried for M = 2, 3 (``W @ x.t()`` with either layout) are 2-3x
-slower still, and MKL's packed GEMM (``mkl._mkl_linear``) is no better than NN below
-M = 8 and its packed format depends on M and the ISA, so it cannot be one constant for
+slower than NT, and MKL's packed GEMM (``mkl._mkl_linear``) is no better than NN below
+M = 8 (better at 8-16) and its packed format depends on M and the ISA, so it cannot be one constant for
 all programs.
 
 Tied weights (``shared``)
@@ -50,7 +50,7 @@ A weight that other nodes read too is handled per ``shared``:
   ``"embedding"``).
 * ``"skip"``: such weights stay untransposed (``lm_head`` stays NT).
 
-The strided gather costs ~1.5 us per token more than a contiguous one (eager, 256
+The strided gather costs ~6 us per token more than a contiguous one (eager, warm, 256
 tokens: 1.6 ms vs 0.1 ms), negligible against a forward pass.
 
 Naming (deterministic)
@@ -69,7 +69,7 @@ module, so ``named_parameters()`` and AOTInductor's ``get_constant_fqns()`` repo
 Invariants
 ----------
 * The graph computes the same values up to GEMM summation order (tiny models: equal to
-  1e-5; SmolLM2-135M logits: max |d| ~4e-4 at T = 5, logits of magnitude ~20) and
+  1e-5; SmolLM2-135M logits: max |d| 2e-4 at T = 1, 4e-4 at T = 5) and
   performs the same in-place writes (KV cache); placeholders and outputs are untouched,
   so the calling convention is unchanged and the graph re-exports.
 * Biases are left as they were (a separate ``add``; Inductor fuses it into the
@@ -84,7 +84,46 @@ Invariants
 
 Measured end-to-end
 -------------------
-MEASURED_TABLE
+``bench/fuse_projections_speed.py``: SmolLM2-135M fp32 (tied embeddings), AOTInductor
+VerifyProgram, max_model_len 1024, one torch thread, shared 2-core box; interleaved
+samples of 3 calls; each cell: speed-up = baseline / variant of the median ms per call,
+then "paired" = median of the per-round ratios (baseline rows: median ms). Runs 1, 2:
+attention over the whole cache (static shapes; 60 and 80 samples; b = 2 from a separate
+run of 60). Run 3: kv_len symbolic as ``specc.compiler`` now exports programs, called
+with 128 keys (60 samples, b = 2: 40)::
+
+    b  T  M   variant              run 1            run 2            run 3 (kv_len 128)
+    1  1  1   baseline (ms)        54.71            54.92            65.29
+              pretranspose         1.095 / 1.091    1.055 / 1.069    1.107 / 1.109
+              pretranspose+fused   1.142 / 1.126    1.115 / 1.117    1.140 / 1.137
+              fused alone          0.966 / 0.984
+              shared="copy"        1.081 / 1.089
+              shared="skip"        1.041 / 1.061
+    1  5  5   baseline (ms)        98.27            105.37           82.95
+              pretranspose         1.044 / 1.054    1.073 / 1.059    1.076 / 1.079
+              pretranspose+fused   1.057 / 1.063    1.051 / 1.057    1.045 / 1.049
+              fused alone          0.938 / 0.939
+              shared="copy"        1.047 / 1.092
+              shared="skip"        1.030 / 1.072
+    2  1  2   baseline (ms)        82.50                             67.45
+              pretranspose         0.873 / 0.886                     0.855 / 0.844
+              pretranspose+fused                                     0.874 / 0.861
+    2  5  10  baseline (ms)                                          159.98
+              pretranspose                                           1.277 / 1.287
+              pretranspose+fused                                     1.179 / 1.225
+
+Logits agree with the baseline to max |d| 1e-4 - 7e-4 (GEMM summation order); constants
+513 MiB in every variant but ``shared="copy"`` (621 MiB).
+
+So, alone: +6-11 % at b = 1, T = 1, +4-8 % at T = 5, +28 % at b = 2, T = 5, but -13 to
+-15 % at b = 2, T = 1 (M = 2, as the GEMM table predicts). The tied ``lm_head`` matters
+(``"skip"`` gains about half as much) and ``"embedding"`` is as fast as ``"copy"``
+without the extra 108 MiB. ``fuse_projections`` on top (on the NN layout its larger N
+no longer hurts at M = 1) adds ~3-5 % at M = 1 but costs 0-3 % at M = 5 and ~8 % at
+M = 10. All programs of an artifact bind one set of constants by name, so choosing
+either pass per program would store both layouts (+513 MiB for SmolLM2). Recommended on
+this build: this pass alone, in every program; the price is ``decode_b2`` (and a
+``decode_b3`` bucket, M = 3).
 """
 
 from __future__ import annotations
@@ -224,7 +263,8 @@ def pretranspose_weights(gm: fx.GraphModule, *, shared: str = "embedding") -> in
         value = w.detach().t().clone(memory_format=torch.contiguous_format)
         existing = _get_attr_tensor(gm, name)
         if existing is not None:
-            if existing.shape != value.shape or existing.dtype != value.dtype or not torch.equal(existing, value):
+            if existing.shape != value.shape or existing.dtype != value.dtype \
+                    or not torch.equal(existing, value):
                 raise RuntimeError(f"pretranspose_weights: attribute {name!r} exists and is not "
                                    f"the transpose of {source!r}")
         else:

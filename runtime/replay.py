@@ -6,9 +6,9 @@ of ``weights.safetensors`` to each (user-managed: every program uses the same te
 no copy). :class:`CompiledEngine` is the :class:`~specc.runtime.engine.Engine` with its
 two device parts replaced:
 
-* prefill: the prompt runs as chunks of the prefill buckets (largest chunk that fits
-  what is left; the tail is padded up to the smallest, pads written at the cache's trash
-  position), one ``prefill_t{t}`` call per chunk;
+* prefill: the prompt runs as chunks of the prefill program's longest chunk and an
+  exact tail (its length is a dynamic size; a 1-token tail gets one pad, written at the
+  cache's trash position), one ``prefill`` call per chunk;
 * the step: the live rows (slots ``0..B-1``) are cut into groups of the largest bucket,
   each group padded up to the smallest bucket that holds it (``num_rows`` tells the
   program which rows are real); ``spec_step_b{b}`` when any row of the group has drafts,
@@ -51,7 +51,8 @@ class ProgramSet:
     """The loaded programs of an artifact.
 
     Attributes:
-        prefill: ``{t: program}`` by chunk length; ``decode`` / ``spec_step``: ``{b: program}``
+        prefill: the prefill program (chunks up to ``prefill.tokens``); ``decode`` /
+            ``spec_step``: ``{b: program}``
             by batch bucket; ``buckets``: sorted batch buckets; ``k``: draft tokens per
             spec step (0 without speculation); ``max_logprobs``: top logprobs returned.
     """
@@ -62,7 +63,7 @@ class ProgramSet:
         m = artifact.manifest
         stored = load_file(str(artifact.path(WEIGHTS)), device=device)
         constants = {name: stored[src] for name, src in m["constants"].items()}
-        self.prefill: dict[int, _Program] = {}
+        self.prefill: _Program | None = None
         self.decode: dict[int, _Program] = {}
         self.spec_step: dict[int, _Program] = {}
         for p in m["programs"]:
@@ -71,7 +72,7 @@ class ProgramSet:
                                   check_full_update=True, user_managed=True)
             prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner)
             if p["kind"] == "prefill":
-                self.prefill[p["tokens"]] = prog
+                self.prefill = prog
             else:
                 getattr(self, p["kind"])[p["batch"]] = prog
         self.buckets = sorted(self.decode)
@@ -90,16 +91,15 @@ def cache_slots(max_num_seqs: int, buckets: list[int]) -> int:
     return full * top + (next(b for b in buckets if b >= rest) if rest else 0)
 
 
-def prefill_chunks(n: int, buckets: list[int]) -> list[tuple[int, int]]:
-    """``[(real_tokens, bucket), ...]`` covering a prompt of ``n`` tokens: the largest
-    bucket that fits what is left, the tail padded up to the smallest bucket holding it."""
-    buckets = sorted(buckets)
+def prefill_chunks(n: int, max_chunk: int) -> list[tuple[int, int]]:
+    """``[(real_tokens, chunk_length), ...]`` covering a prompt of ``n`` tokens: chunks of
+    ``max_chunk`` and an exact tail; the prefill program's shortest chunk is 2 tokens, so
+    a 1-token tail gets one pad."""
     out = []
     while n > 0:
-        fit = [t for t in buckets if t <= n]
-        t = fit[-1] if fit else next(t for t in buckets if t >= n)
-        out.append((min(t, n), t))
-        n -= min(t, n)
+        real = min(n, max_chunk)
+        out.append((real, max(real, 2)))
+        n -= real
     return out
 
 
@@ -147,10 +147,10 @@ class CompiledEngine(Engine):
     def _prefill_logits(self, ids: list[int], slot: int) -> torch.Tensor:
         dev, start = self.cache.device, 0
         kv = self._kv(slot, 1)
-        for real, t in prefill_chunks(len(ids), list(self.programs.prefill)):
+        for real, t in prefill_chunks(len(ids), self.programs.prefill.tokens):
             chunk = ids[start:start + real] + [0] * (t - real)
             pos = list(range(start, start + real)) + [self.cache.trash_pos] * (t - real)
-            logits = self.programs.prefill[t].runner(
+            logits = self.programs.prefill.runner(
                 torch.tensor([chunk], device=dev), torch.tensor([pos], device=dev),
                 torch.tensor([real - 1], device=dev), *kv, self._keys(start + real))[0]
             start += real

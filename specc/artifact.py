@@ -6,7 +6,7 @@ Layout (every path relative to the folder)::
     weights.safetensors    the constants of every program, one copy (programs bind them at load)
     model/                 the target's HF config.json and tokenizer files
     programs/<name>.pt2    one AOTInductor package per program per bucket
-                           (prefill_t32, decode_b1, spec_step_b4, ...)
+                           (prefill, decode_b1, spec_step_b4, ...)
 
 ``manifest.json`` holds: ``format`` (:data:`FORMAT_VERSION`), ``config`` (the full
 ``SpeccConfig`` as a dict), ``source`` (the config file and target it was built from),
@@ -161,6 +161,7 @@ def write_artifact(out_dir: str | os.PathLike, build: Callable[[Path], dict[str,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         manifest = build(tmp)
+        _make_readable(tmp)
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = f.relative_to(tmp).as_posix()
@@ -178,6 +179,15 @@ def write_artifact(out_dir: str | os.PathLike, build: Callable[[Path], dict[str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _make_readable(root: Path) -> None:
+    """mkdtemp makes a 0700 folder (and some writers 0600 files): give the artifact the
+    usual permissions under the process umask, as a plain mkdir / open would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def open_artifact(path: str | os.PathLike, device: str | None = None) -> Artifact:

@@ -1,7 +1,7 @@
 """Compiled programs (specc compile → artifact → Session(DIR)) against the eager path.
 
 One artifact for the whole module: the tiny Llama, n-gram k = 4, buckets {1, 2, 4, 8}
-(every program kind and every bucket: prefill_t32, prefill_t256, decode_b{1,2,4,8},
+(every program kind and every bucket: prefill, decode_b{1,2,4,8},
 spec_step_b{1,2,4,8}). Checked:
 
 * greedy output equals the eager non-speculative output token for token (logprobs to
@@ -92,7 +92,7 @@ def _assert_same(outs, refs):
 def test_manifest_lists_every_program_and_file(artifact):
     m = json.loads((artifact / "manifest.json").read_text())
     names = {p["name"] for p in m["programs"]}
-    assert names == {"prefill_t32", "prefill_t256", *(f"decode_b{b}" for b in BUCKETS),
+    assert names == {"prefill", *(f"decode_b{b}" for b in BUCKETS),
                      *(f"spec_step_b{b}" for b in BUCKETS)}
     assert [p["name"] for p in m["programs"]] == [p["name"] for p in plan_programs(load_config(m["config"]))]
     for p in m["programs"]:
@@ -292,10 +292,11 @@ def test_cli_generate_from_artifact(artifact, capsys):
 
 # ------------------------------------------------------------------------------ host-side helpers
 def test_prefill_chunks_and_cache_slots():
-    assert prefill_chunks(1, [32, 256]) == [(1, 32)]
-    assert prefill_chunks(300, [32, 256]) == [(256, 256), (32, 32), (12, 32)]
-    assert prefill_chunks(256, [32, 256]) == [(256, 256)]
-    assert sum(r for r, _ in prefill_chunks(1000, [32, 256])) == 1000
+    assert prefill_chunks(1, 256) == [(1, 2)]
+    assert prefill_chunks(300, 256) == [(256, 256), (44, 44)]
+    assert prefill_chunks(257, 256) == [(256, 256), (1, 2)]
+    assert prefill_chunks(256, 256) == [(256, 256)]
+    assert sum(r for r, _ in prefill_chunks(1000, 160)) == 1000
     assert cache_slots(8, [1, 2, 4, 8]) == 8
     assert cache_slots(6, [1, 2, 4, 8]) == 8
     assert cache_slots(11, [1, 2, 4, 8]) == 12

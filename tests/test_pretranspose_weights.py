@@ -4,7 +4,8 @@ Small hand-written modules (bias / no bias, 2-D and 3-D inputs, a weight shared 
 linears, a weight tied to an embedding under each ``shared`` mode, a weight with another
 reader) and the tiny Llama and Qwen2-style VerifyPrograms: no linear left, same outputs
 and KV writes, names and tensors deterministic across batch sizes / T, re-export,
-composition with ``fuse_projections``, and one AOTInductor round trip.
+composition with ``fuse_projections``, and one AOTInductor round trip of the program as
+``specc.compiler`` exports it (symbolic kv_len), run at two kv_lens.
 """
 
 from __future__ import annotations
@@ -310,15 +311,35 @@ def test_after_fuse_projections(tiny):
     assert "model.model.layers.1.mlp.fused__gate_proj__up_proj.weight_t" in param_names(gm)
 
 
-def test_aot_inductor_round_trip(tmp_path):
-    cfg, model = tiny_model("qwen2", seed=1)  # biases and tied embeddings
-    ids, pos, kv = verify_args(cfg, 2, 3, seed=1)
-    gm = export_flat(VerifyProgram(model, MAX_LEN), (ids, pos, kv))
-    kv_ref = clone_kv(kv)
-    ref = gm(ids, pos, *kv_ref)
-    assert pretranspose_weights(gm) == 7 * cfg.num_hidden_layers + 1
+def dynamic_verify(cfg, model, b, t, kv_len=24, seed=0):
+    """The VerifyProgram as ``specc.compiler.build_program`` exports it: ``key_positions``
+    (length kv_len) last, its length symbolic. Returns (gm, flat args, dynamic_shapes)."""
+    ids, pos, kv = verify_args(cfg, b, t, seed)
+    keys = torch.arange(kv_len)
+    dim = torch.export.Dim("kv_len", min=16, max=MAX_LEN)
+    no_kv = (None,) * len(kv)
+    gm = export_flat(VerifyProgram(model, MAX_LEN), (ids, pos, kv, keys), (None, None, no_kv, {0: dim}))
+    return gm, (ids, pos, *kv, keys), (None, None, *no_kv, {0: dim})
 
-    ep = torch.export.export(gm, (ids, pos, *kv), strict=False)
+
+def run_flat(fn, args):
+    """``fn`` on ``args`` with the KV tensors cloned: (outputs, the KV after the call)."""
+    ids, pos, *kv, keys = args
+    kv = clone_kv(kv)
+    return fn(ids, pos, *kv, keys), kv
+
+
+def test_aot_inductor_round_trip_dynamic_kv_len(tmp_path):
+    cfg, model = tiny_model("qwen2", seed=1)  # biases and tied embeddings
+    gm, args, dyn = dynamic_verify(cfg, model, 2, 3, seed=1)
+    ref = {n: run_flat(gm, args[:-1] + (torch.arange(n),)) for n in (24, 40)}
+    assert pretranspose_weights(gm) == 7 * cfg.num_hidden_layers + 1
+    for n, (out_ref, kv_ref) in ref.items():  # the transformed graph, eager
+        out, kv = run_flat(gm, args[:-1] + (torch.arange(n),))
+        assert_outputs_close(out, out_ref)
+        assert_outputs_close(kv, kv_ref)
+
+    ep = torch.export.export(gm, args, dynamic_shapes=dyn, strict=False)
     path = torch._inductor.aoti_compile_and_package(
         ep, package_path=str(tmp_path / "verify.pt2"),
         inductor_configs={"aot_inductor.package_constants_in_so": False})
@@ -332,7 +353,7 @@ def test_aot_inductor_round_trip(tmp_path):
               **dict(gm.named_buffers(remove_duplicate=False))}
     runner.load_constants({f: consts[f] for f in fqns}, check_full_update=True, user_managed=True)
 
-    kv_new = clone_kv(kv)
-    out = runner(ids, pos, *kv_new)
-    assert_outputs_close(out, ref, atol=1e-4)
-    assert_outputs_close(kv_new, kv_ref, atol=1e-5)
+    for n, (out_ref, kv_ref) in ref.items():  # two kv_lens, one package
+        out, kv = run_flat(runner, args[:-1] + (torch.arange(n),))
+        assert_outputs_close(out, out_ref, atol=1e-4)
+        assert_outputs_close(kv, kv_ref, atol=1e-5)

@@ -1,7 +1,7 @@
 """Compiled programs on the real SmolLM2-135M-Instruct: one program of every kind.
 
-`specc compile` with batch bucket 1 and n-gram k = 4 builds prefill_t32, prefill_t256,
-decode_b1 and spec_step_b1 (about a minute each on a 2-core CPU); the artifact's greedy
+`specc compile` with batch bucket 1 and n-gram k = 4 builds prefill, decode_b1 and
+spec_step_b1 (about a minute each on a 2-core CPU); the artifact's greedy
 output, speculative and not, must equal the eager non-speculative output under the
 real-model rule of test_real_model_spec.py (a divergence is tolerated only where the
 eager top-1/top-2 logit gap is below 1e-3: compiled kernels round differently).
@@ -37,8 +37,7 @@ def reference(smollm2_dir):
 
 @pytest.mark.parametrize("use_speculation", [True, False])
 def test_compiled_greedy_equals_eager(compiled, reference, use_speculation):
-    # three prompts, max_num_seqs 1: one at a time through bucket 1; the summarization
-    # prompt (~100 tokens) runs as prefill chunks 32 + 32 + 32 + 32 (padded)
+    # three prompts, max_num_seqs 1: one at a time through bucket 1
     outs = compiled.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
                              use_speculation=use_speculation)
     for out, ref in zip(outs, reference):

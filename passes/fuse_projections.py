@@ -97,7 +97,9 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
+from torch import fx
+
+from specc.passes.graph_attrs import del_attr, fake_val, get_attr_tensor, set_attr, set_meta
 
 __all__ = ["fuse_projections", "fused_name"]
 
@@ -137,15 +139,6 @@ class _Linear:
     bias: fx.Node | None
 
 
-def _get_attr_tensor(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
-    obj = gm
-    for name in target.split("."):
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
 def _as_linear(gm: fx.GraphModule, node: fx.Node) -> _Linear | None:
     """The node as a fusable linear (weight/bias from ``get_attr``), else None."""
     if node.op != "call_function" or node.target is not _LINEAR:
@@ -154,90 +147,21 @@ def _as_linear(gm: fx.GraphModule, node: fx.Node) -> _Linear | None:
     x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     if not isinstance(x, fx.Node) or not isinstance(weight, fx.Node) or weight.op != "get_attr":
         return None
-    w = _get_attr_tensor(gm, weight.target)
+    w = get_attr_tensor(gm, weight.target)
     if w is None or w.dim() != 2:
         return None
     if bias is not None:
         if not isinstance(bias, fx.Node) or bias.op != "get_attr":
             return None
-        b = _get_attr_tensor(gm, bias.target)
+        b = get_attr_tensor(gm, bias.target)
         if b is None or b.dim() != 1 or b.dtype != w.dtype or b.device != w.device:
             return None
     return _Linear(node, weight, bias)
 
 
 def _group_key(gm: fx.GraphModule, lin: _Linear) -> tuple:
-    w = _get_attr_tensor(gm, lin.weight.target)
+    w = get_attr_tensor(gm, lin.weight.target)
     return (lin.bias is not None, w.dtype, w.device, w.shape[1])
-
-
-def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
-    *path, leaf = target.split(".")
-    mod: nn.Module = gm
-    for name in path:
-        sub = getattr(mod, name, None)
-        if sub is None:
-            sub = nn.Module()
-            mod.add_module(name, sub)
-        elif not isinstance(sub, nn.Module):
-            raise RuntimeError(f"cannot create attribute {target!r}: {name!r} is not a module")
-        mod = sub
-    mod.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
-
-
-def _del_attr(gm: fx.GraphModule, target: str) -> None:
-    """Delete attribute ``target``, then every container module it leaves empty."""
-    *path, leaf = target.split(".")
-    mods: list[nn.Module] = [gm]
-    for name in path:
-        mods.append(getattr(mods[-1], name))
-    delattr(mods[-1], leaf)
-    for depth in range(len(path), 0, -1):
-        mod = mods[depth]
-        if next(iter(mod._parameters), None) or next(iter(mod._buffers), None) \
-                or next(iter(mod._modules), None) or mod.__dict__.keys() - nn.Module().__dict__.keys():
-            break
-        delattr(mods[depth - 1], path[depth - 1])
-
-
-def _fake_val(fn, *args):
-    """``fn(*args)`` on fake tensors (``meta["val"]``), or None if any is missing."""
-    vals = []
-    for a in args:
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if v is None:
-                return None
-            vals.append(v)
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
-            sub = [x.meta.get("val") for x in a]
-            if any(v is None for v in sub):
-                return None
-            vals.append(sub)
-        else:
-            vals.append(a)
-    try:
-        from torch._guards import detect_fake_mode
-        mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]
-                                + [x for v in vals if isinstance(v, list) for x in v])
-        if mode is None:
-            return None
-        with mode:
-            return fn(*vals)
-    except Exception:  # meta is best effort; re-export recomputes it anyway
-        return None
-
-
-def _set_meta(node: fx.Node, val, like: fx.Node | None = None) -> None:
-    if like is not None:
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in like.meta:
-                node.meta[key] = like.meta[key]
-    if val is not None:
-        node.meta["val"] = val
-        if isinstance(val, torch.Tensor):
-            from torch.fx.passes.shape_prop import _extract_tensor_metadata
-            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
 
 
 def _fused_attr(gm: fx.GraphModule, attr_nodes: list[fx.Node], dim: int,
@@ -248,16 +172,16 @@ def _fused_attr(gm: fx.GraphModule, attr_nodes: list[fx.Node], dim: int,
     name = fused_name(targets)
     if name in created:
         return name
-    value = torch.cat([_get_attr_tensor(gm, t).detach() for t in targets], dim=dim)
-    existing = _get_attr_tensor(gm, name)
+    value = torch.cat([get_attr_tensor(gm, t).detach() for t in targets], dim=dim)
+    existing = get_attr_tensor(gm, name)
     if existing is not None:
         if existing.shape != value.shape or existing.dtype != value.dtype \
                 or not torch.equal(existing, value):
             raise RuntimeError(f"fuse_projections: attribute {name!r} exists and differs from "
                                f"the concatenation of {targets}")
     else:
-        _set_attr(gm, name, value)
-    created[name] = _get_attr_tensor(gm, name)
+        set_attr(gm, name, value)
+    created[name] = get_attr_tensor(gm, name)
     return name
 
 
@@ -294,24 +218,24 @@ def fuse_projections(gm: fx.GraphModule) -> int:
         w_name = _fused_attr(gm, [m.weight for m in members], 0, created)
         b_name = (_fused_attr(gm, [m.bias for m in members], 0, created)
                   if members[0].bias is not None else None)
-        sizes = [_get_attr_tensor(gm, m.weight.target).shape[0] for m in members]
+        sizes = [get_attr_tensor(gm, m.weight.target).shape[0] for m in members]
 
         with graph.inserting_before(first):
             w_node = graph.get_attr(w_name)
-            _set_meta(w_node, _fake_val(lambda *vs: torch.cat(vs, 0), *[m.weight for m in members]))
+            set_meta(w_node, fake_val(lambda *vs: torch.cat(vs, 0), *[m.weight for m in members]))
             b_node = None
             if b_name is not None:
                 b_node = graph.get_attr(b_name)
-                _set_meta(b_node, _fake_val(lambda *vs: torch.cat(vs, 0), *[m.bias for m in members]))
+                set_meta(b_node, fake_val(lambda *vs: torch.cat(vs, 0), *[m.bias for m in members]))
             fused = graph.call_function(_LINEAR, (x, w_node, b_node) if b_node is not None else (x, w_node))
-            _set_meta(fused, _fake_val(_LINEAR, *fused.args), like=first)
+            set_meta(fused, fake_val(_LINEAR, *fused.args), like=first)
             split = graph.call_function(_SPLIT, (fused, sizes, -1))
-            _set_meta(split, _fake_val(_SPLIT, fused, sizes, -1), like=first)
+            set_meta(split, fake_val(_SPLIT, fused, sizes, -1), like=first)
             pieces = []
             for i, m in enumerate(members):
                 piece = graph.call_function(operator.getitem, (split, i))
                 val = split.meta.get("val")
-                _set_meta(piece, val[i] if val is not None else None, like=m.node)
+                set_meta(piece, val[i] if val is not None else None, like=m.node)
                 pieces.append(piece)
 
         for m, piece in zip(members, pieces):
@@ -329,8 +253,8 @@ def fuse_projections(gm: fx.GraphModule) -> int:
         graph.erase_node(n)
     live_targets = {n.target for n in graph.nodes if n.op == "get_attr"}
     for target in sorted({n.target for n in dead} - live_targets):
-        if _get_attr_tensor(gm, target) is not None:
-            _del_attr(gm, target)
+        if get_attr_tensor(gm, target) is not None:
+            del_attr(gm, target)
 
     if groups:
         graph.lint()

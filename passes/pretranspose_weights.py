@@ -131,7 +131,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from specc.passes.fuse_projections import _del_attr, _fake_val, _get_attr_tensor, _set_meta
+from specc.passes.graph_attrs import del_attr, fake_val, get_attr_tensor, set_attr, set_meta
 
 __all__ = ["pretranspose_weights", "transposed_name", "SHARED_MODES"]
 
@@ -183,23 +183,6 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
     return isinstance(mod, nn.Module) and leaf in mod._parameters
 
 
-def _register(gm: fx.GraphModule, target: str, value: torch.Tensor, parameter: bool) -> None:
-    *path, leaf = target.split(".")
-    mod = gm
-    for name in path:
-        sub = getattr(mod, name, None)
-        if sub is None:
-            sub = nn.Module()
-            mod.add_module(name, sub)
-        elif not isinstance(sub, nn.Module):
-            raise RuntimeError(f"cannot create attribute {target!r}: {name!r} is not a module")
-        mod = sub
-    if parameter:
-        mod.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
-    else:
-        mod.register_buffer(leaf, value)
-
-
 def _attr_paths_of(gm: fx.GraphModule, tensor: torch.Tensor) -> list[str]:
     """Every parameter / buffer path of ``gm`` that holds ``tensor`` (tied aliases)."""
     named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
@@ -236,7 +219,7 @@ def pretranspose_weights(gm: fx.GraphModule, *, shared: str = "embedding") -> in
     for node in graph.nodes:
         if node.op != "get_attr":
             continue
-        t = _get_attr_tensor(gm, node.target)
+        t = get_attr_tensor(gm, node.target)
         if t is None:
             continue
         groups.setdefault(id(t), []).append(node)
@@ -261,27 +244,27 @@ def pretranspose_weights(gm: fx.GraphModule, *, shared: str = "embedding") -> in
         source = linears[0][0].target  # first get_attr a linear reads: deterministic
         name = transposed_name(source)
         value = w.detach().t().clone(memory_format=torch.contiguous_format)
-        existing = _get_attr_tensor(gm, name)
+        existing = get_attr_tensor(gm, name)
         if existing is not None:
             if existing.shape != value.shape or existing.dtype != value.dtype \
                     or not torch.equal(existing, value):
                 raise RuntimeError(f"pretranspose_weights: attribute {name!r} exists and is not "
                                    f"the transpose of {source!r}")
         else:
-            _register(gm, name, value, _is_parameter(gm, source))
+            set_attr(gm, name, value, parameter=_is_parameter(gm, source))
 
         with graph.inserting_before(attrs[0]):  # before every reader of the tensor
             wt_node = graph.get_attr(name)
-        _set_meta(wt_node, _fake_val(lambda v: v.t().contiguous(), linears[0][0]))
+        set_meta(wt_node, fake_val(lambda v: v.t().contiguous(), linears[0][0]))
 
         for _, lin in linears:
             x, _, bias = _linear_parts(lin)
             with graph.inserting_before(lin):
                 out = graph.call_function(_MATMUL, (x, wt_node))
-                _set_meta(out, _fake_val(_MATMUL, x, wt_node), like=lin)
+                set_meta(out, fake_val(_MATMUL, x, wt_node), like=lin)
                 if bias is not None:
                     out = graph.call_function(_ADD, (out, bias))
-                    _set_meta(out, _fake_val(_ADD, out.args[0], bias), like=lin)
+                    set_meta(out, fake_val(_ADD, out.args[0], bias), like=lin)
             lin.replace_all_uses_with(out)
             graph.erase_node(lin)
             rewritten += 1
@@ -289,7 +272,7 @@ def pretranspose_weights(gm: fx.GraphModule, *, shared: str = "embedding") -> in
         if others and rewrite_embeddings:
             with graph.inserting_after(wt_node):
                 back = graph.call_function(_PERMUTE, (wt_node, [1, 0]))
-            _set_meta(back, _fake_val(lambda v: v.permute(1, 0), wt_node))
+            set_meta(back, fake_val(lambda v: v.permute(1, 0), wt_node))
             for attr, user, _ in others:
                 user.replace_input_with(attr, back)
 
@@ -305,8 +288,8 @@ def pretranspose_weights(gm: fx.GraphModule, *, shared: str = "embedding") -> in
 
     live_targets = {n.target for n in graph.nodes if n.op == "get_attr"}
     for target in sorted(dead_targets - live_targets):
-        if _get_attr_tensor(gm, target) is not None:
-            _del_attr(gm, target)
+        if get_attr_tensor(gm, target) is not None:
+            del_attr(gm, target)
 
     if rewritten:
         graph.lint()

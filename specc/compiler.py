@@ -188,10 +188,14 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
 
 def _fuse_linears(gm, fuse_projections, pretranspose_weights) -> None:
     """The linear-layer passes, the same in every program (their constants are shared by
-    name): q/k/v and gate/up into one GEMM each, then every weight stored transposed
-    ([in, out]) so each projection is an NN GEMM. Measured on SmolLM2-135M, AOTInductor,
-    one thread: 1.13x at T = 1 and 1.06x at T = 5 together (fusion alone 0.97x / 0.94x);
-    see the two passes' docstrings."""
+    name, so a per-program choice would store the weights twice): q/k/v and gate/up into
+    one GEMM each, then every weight stored transposed ([in, out]) so each projection is
+    an NN GEMM. SmolLM2-135M, AOTInductor, one thread, kv_len 128, speed-up over neither
+    pass (bench/fuse_projections_speed.py): b=1 T=1 1.14x (pre-transpose alone 1.11x);
+    b=1 T=5 1.05x (alone 1.08x); b=2 T=5 1.18-1.22x (alone 1.28x); b=2 T=1 0.87x (alone
+    0.85x: MKL's NT kernel for 2-3 rows is faster). Both are kept because the
+    non-speculative step (T=1) is most steps even with n-gram drafting; fusion alone is
+    0.97x / 0.94x. See the passes' docstrings."""
     fuse_projections(gm)
     pretranspose_weights(gm)
 

@@ -27,6 +27,7 @@ compiled code targets one CPU instruction set or GPU architecture). A mismatch r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,7 +44,7 @@ from specc.config import ConfigError
 
 __all__ = [
     "FORMAT_VERSION", "MANIFEST", "ArtifactError", "Artifact", "device_kind", "environment",
-    "compiled_cache_key", "open_artifact", "write_artifact", "program_config", "program_config_diff", "sha256_file",
+    "check_output_dir", "compiled_cache_key", "model_files_hash", "open_artifact", "source_hash", "write_artifact", "program_config", "program_config_diff", "sha256_file",
 ]
 
 FORMAT_VERSION = 1
@@ -71,13 +72,48 @@ def device_kind(device: str) -> str:
 
 
 def environment(device: str) -> dict[str, str]:
-    """The versions and device kind an artifact is pinned to."""
+    """The versions and device kind an artifact is pinned to; ``specc_source`` hashes the
+    code that defines what programs compute, so a changed pass or model invalidates it."""
     import transformers
 
     from specc import __version__
 
-    return {"specc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "device_kind": device_kind(device)}
+    return {"specc": __version__, "specc_source": source_hash(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device_kind": device_kind(device)}
+
+
+#: Environment fields an artifact must match to be opened.
+_PINNED = ("specc_source", "torch", "transformers", "device_kind")
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 (16 hex digits) of the specc sources that shape a compiled program: the
+    models, passes and kernels packages, the program modules, sampling and the compiler."""
+    import specc.compiler
+    import specc.kernels
+    import specc.models
+    import specc.passes
+    import specc.runtime.programs
+    import specc.runtime.sampling
+
+    files = []
+    for pkg in (specc.models, specc.passes, specc.kernels):
+        files += sorted(Path(pkg.__file__).parent.glob("*.py"))
+    files += [Path(m.__file__) for m in (specc.runtime.programs, specc.runtime.sampling, specc.compiler)]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def model_files_hash(folder: str | os.PathLike) -> str:
+    """sha256 over an HF folder's files other than the weights (config.json, tokenizer
+    and chat-template files): what, beside the weights, a compiled artifact depends on."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".safetensors"):
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
 
 
 # Config fields the compiled programs depend on (the rest: sampling defaults, seed,
@@ -103,10 +139,10 @@ def program_config_diff(built: dict[str, Any], wanted: dict[str, Any]) -> list[s
     return out
 
 
-def compiled_cache_key(config: dict[str, Any], weights_hash: str) -> str:
+def compiled_cache_key(config: dict[str, Any], weights_hash: str, model_hash: str) -> str:
     """Folder name, in specc's compile cache, of the artifact for a config: a hash of the
-    program fields, the target's weights hash and the environment."""
-    blob = json.dumps({"config": program_config(config), "weights": weights_hash,
+    program fields, the target's weights and other files, and the environment."""
+    blob = json.dumps({"config": program_config(config), "weights": weights_hash, "model": model_hash,
                        "environment": environment(config["device"]), "format": FORMAT_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -138,8 +174,36 @@ class Artifact:
         return self.root / rel
 
     def rebuild_hint(self) -> str:
-        src = self.manifest.get("source", {}).get("config") or "CONFIG"
-        return f"rebuild it: specc compile {src} -o {self.root}"
+        src = (self.manifest.get("source") or {}).get("config")
+        if src is None and self.root.parent.name == "compiled":  # specc's compile cache
+            return f"delete {self.root}: specc rebuilds it on next use"
+        return f"rebuild it: specc compile {src or 'CONFIG'} -o {self.root}"
+
+
+def _is_specc_manifest(path: Path) -> bool:
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and "programs" in m and isinstance(m.get("environment"), dict) \
+        and "specc" in m["environment"]
+
+
+def check_output_dir(out_dir: str | os.PathLike) -> Path:
+    """The resolved output folder, after checking it can take an artifact: absent, an
+    empty folder, or an earlier specc artifact (its manifest names specc); its parent is
+    created. Raises ArtifactError naming ``-o`` otherwise."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not (out.is_dir() and (_is_specc_manifest(out / MANIFEST) or not any(out.iterdir()))):
+        raise ArtifactError(f"-o {out}: exists and is not a specc artifact folder; choose another "
+                            "output folder (specc only replaces an earlier artifact)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArtifactError(f"-o {out}: cannot create its parent folder ({e.strerror}: {e.filename})") from e
+    if not os.access(out.parent, os.W_OK):
+        raise ArtifactError(f"-o {out}: the folder {out.parent} is not writable")
+    return out
 
 
 def write_artifact(out_dir: str | os.PathLike, build: Callable[[Path], dict[str, Any]]) -> Path:
@@ -153,11 +217,7 @@ def write_artifact(out_dir: str | os.PathLike, build: Callable[[Path], dict[str,
     Raises:
         ArtifactError: ``out_dir`` exists and is not an artifact.
     """
-    out = Path(out_dir).expanduser().resolve()
-    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
-        raise ArtifactError(f"-o {out}: exists and is not a specc artifact folder; choose another "
-                            "output folder (specc only replaces an earlier artifact)")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         manifest = build(tmp)
@@ -214,7 +274,15 @@ def open_artifact(path: str | os.PathLike, device: str | None = None) -> Artifac
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{mpath}: unreadable manifest ({e}); the artifact is truncated or corrupt: "
                             "rebuild it with specc compile CONFIG -o DIR") from e
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{mpath}: not a specc manifest (a JSON object is expected); "
+                            "rebuild it with specc compile CONFIG -o DIR")
     art = Artifact(root, manifest)
+    missing = [k for k in ("format", "config", "environment", "programs", "files", "constants", "weights_hash")
+               if k not in manifest]
+    if missing and manifest.get("format") == FORMAT_VERSION:
+        raise ArtifactError(f"{mpath}: manifest lacks {', '.join(missing)} (corrupt or hand-edited); "
+                            f"{art.rebuild_hint()}")
     if manifest.get("format") != FORMAT_VERSION:
         raise ArtifactError(f"{root}: artifact format {manifest.get('format')!r}, this specc reads format "
                             f"{FORMAT_VERSION}; {art.rebuild_hint()}")
@@ -232,7 +300,7 @@ def open_artifact(path: str | os.PathLike, device: str | None = None) -> Artifac
     built = manifest["environment"]
     here = environment(device or manifest["config"]["device"])
     diff = [f"{k}: built with {built.get(k)!r}, this process has {here[k]!r}"
-            for k in ("torch", "transformers", "device_kind") if built.get(k) != here[k]]
+            for k in _PINNED if built.get(k) != here[k]]
     if diff:
         raise ArtifactError([f"{root}: stale artifact: " + d for d in diff] + [f"{root}: {art.rebuild_hint()}"])
     return art

@@ -64,7 +64,8 @@ def _open_session(config: str, enforce_eager: bool):
 
     if enforce_eager:
         if Path(config).is_dir():
-            raise ValueError(f"--enforce-eager: {config} is a compiled artifact; give the model.yaml instead")
+            raise ValueError(f"--enforce-eager: {config} is a folder; the eager path runs from a model.yaml "
+                             "(an artifact folder always runs compiled)")
         return Session(load_config(config, overrides={"enforce_eager": True}))
     return Session(config)
 

@@ -69,8 +69,8 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
     if method not in COMPILED_METHODS:
         raise ConfigError(
             f"speculative_config.method = {method!r}: compiled programs exist for 'ngram' and for "
-            "non-speculative decoding so far; set enforce_eager: true to run this method on the eager "
-            "path", label)
+            "non-speculative decoding so far; set enforce_eager: true (specc generate/bench/profile: "
+            "--enforce-eager) to run this method on the eager path", label)
     if config.device == "npu":
         raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
                           label)
@@ -93,11 +93,15 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
         ConfigError: invalid config, a method without compiled programs, unloadable weights.
         ArtifactError: ``out_dir`` exists and is not an artifact.
     """
+    from specc.artifact import check_output_dir, model_files_hash
     from specc.models.loader import load_model
+    from specc.session import _check_device
 
     label = str(config) if isinstance(config, (str, os.PathLike)) else None
     cfg = load_config(config)
     check_compilable(cfg, label)
+    _check_device(cfg.device, label)
+    check_output_dir(out_dir)  # before minutes of loading and compiling
     if target is None:
         try:
             target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
@@ -135,6 +139,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
                        "target_folder": str(target.folder)},
             "environment": environment(cfg.device),
             "weights_hash": target.weights_hash,
+            "model_hash": model_files_hash(target.folder),
             "max_logprobs": MAX_LOGPROBS,
             "programs": plan,
             "constants": stored,
@@ -162,8 +167,8 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
     kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
     ids = torch.zeros(b, t, dtype=torch.long, device=dev)
     pos = torch.arange(t, device=dev).repeat(b, 1)
-    keys = torch.arange(max(S // 2, min_kv_len(S) + 1), device=dev)  # example kv_len, not a bound
-    kv_dim = torch.export.Dim("kv_len", min=min_kv_len(S), max=S)
+    keys = torch.arange(max(S // 2, 3), device=dev)  # example kv_len, not a bound
+    kv_dim = torch.export.Dim("kv_len", min=2, max=S)
     no_kv = (None,) * len(kv)
     with torch.no_grad():
         if prog["kind"] == "prefill":
@@ -203,12 +208,6 @@ def _fuse_linears(gm, fuse_projections, pretranspose_weights) -> None:
 def prefill_chunk(max_model_len: int) -> int:
     """Longest chunk of the prefill program: PREFILL_CHUNK, or less for a short cache."""
     return min(PREFILL_CHUNK, max_model_len)
-
-
-def min_kv_len(max_model_len: int) -> int:
-    """Smallest kv_len a program takes: the runtime rounds kv_len up to a multiple of
-    :data:`KV_LEN_ALIGN` (capped at max_model_len), so it is never below this."""
-    return min(KV_LEN_ALIGN, max_model_len)
 
 
 def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:

@@ -202,7 +202,7 @@ class Session:
 
     def _compiled_artifact(self, label, verbose: bool) -> Path:
         """The artifact for this config in specc's compile cache, built on first use."""
-        from specc.artifact import compiled_cache_key
+        from specc.artifact import compiled_cache_key, model_files_hash, open_artifact
         from specc.compiler import check_compilable, compile_artifact, plan_programs
         from specc.models.gguf_cache import cache_dir
         from specc.models.loader import resolve_hf_folder, weights_hash
@@ -213,19 +213,27 @@ class Session:
             folder = resolve_hf_folder(cfg.target)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
-        path = cache_dir() / "compiled" / compiled_cache_key(cfg.to_dict(), weights_hash(folder))
-        if not (path / "manifest.json").is_file():
-            if verbose:
-                print(f"specc: first use of this config: compiling {len(plan_programs(cfg))} programs into "
-                      f"{path} (minutes on a small CPU; `enforce_eager: true` skips compilation)", file=sys.stderr)
-            compile_artifact(cfg, path, progress=verbose, target=self._load_target(label))
+        path = cache_dir() / "compiled" / compiled_cache_key(cfg.to_dict(), weights_hash(folder),
+                                                              model_files_hash(folder))
+        if (path / "manifest.json").is_file():
+            try:
+                open_artifact(path)
+                return path
+            except ArtifactError as e:  # a damaged cache entry is rebuilt, not a dead end
+                if verbose:
+                    print(f"specc: cached artifact unusable, rebuilding it ({str(e).splitlines()[0]})",
+                          file=sys.stderr)
+        if verbose:
+            print(f"specc: first use of this config: compiling {len(plan_programs(cfg))} programs into "
+                  f"{path} (minutes on a small CPU; `enforce_eager: true` skips compilation)", file=sys.stderr)
+        compile_artifact(cfg, path, progress=verbose, target=self._load_target(label))
         return path
 
     def _open_compiled(self, path: Path, verbose: bool, config: SpeccConfig | None = None) -> None:
         """Open an artifact (checked: see specc.artifact) and load its programs."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from specc.artifact import MODEL_DIR, open_artifact, program_config_diff
+        from specc.artifact import MODEL_DIR, model_files_hash, open_artifact, program_config_diff
         from specc.models.llama import ModelConfig
         from specc.models.loader import LoadedModel, weights_hash
         from specc.runtime.replay import ProgramSet
@@ -237,10 +245,14 @@ class Session:
                 raise ArtifactError([f"{path}: built for another config: {d}" for d in diff] + [art.rebuild_hint()])
         self.config = config if config is not None else load_config(art.config)
         source = Path(art.manifest["source"]["target_folder"])
-        if source.is_dir() and weights_hash(source) != art.manifest["weights_hash"]:
-            raise ArtifactError(f"{path}: the target's weights in {source} changed since the artifact was built "
-                                f"(sha256 {weights_hash(source)[:12]}, built from {art.manifest['weights_hash'][:12]}); "
-                                f"{art.rebuild_hint()}")
+        if source.is_dir():  # the source is still here: it must be what the artifact was built from
+            for what, now, built in (("weights", weights_hash(source), art.manifest["weights_hash"]),
+                                     ("config / tokenizer files", model_files_hash(source),
+                                      art.manifest.get("model_hash"))):
+                if now != built:
+                    raise ArtifactError(f"{path}: the target's {what} in {source} changed since the artifact "
+                                        f"was built (sha256 {now[:12]}, built from {str(built)[:12]}); "
+                                        f"{art.rebuild_hint()}")
         hf_config = AutoConfig.from_pretrained(art.path(MODEL_DIR))
         self.artifact = art
         self.programs = ProgramSet(art, self.config.device)

@@ -213,6 +213,7 @@ def test_truncated_or_modified_artifact_is_refused(artifact, tmp_path):
     ("torch", "2.0.0", r"torch: built with '2.0.0', this process has"),
     ("device_kind", "cuda/NVIDIA H200/sm_90", r"device_kind: built with 'cuda/NVIDIA H200/sm_90'"),
     ("transformers", "4.0.0", r"transformers: built with '4.0.0'"),
+    ("specc_source", "0" * 16, r"specc_source: built with '0000000000000000'"),  # passes / model code changed
 ])
 def test_stale_environment_is_refused(artifact, tmp_path, key, value, message):
     art = _copy(artifact, tmp_path)
@@ -224,13 +225,26 @@ def test_stale_environment_is_refused(artifact, tmp_path, key, value, message):
     assert "rebuild it: specc compile" in str(e.value)
 
 
-def test_changed_weights_are_refused(artifact, tmp_path):
+@pytest.mark.parametrize("key, what", [("weights_hash", "weights"), ("model_hash", "config / tokenizer files")])
+def test_changed_source_model_is_refused(artifact, tmp_path, key, what):
     art = _copy(artifact, tmp_path)
     m = json.loads((art / "manifest.json").read_text())
-    m["weights_hash"] = "0" * 64
+    m[key] = "0" * 64
     (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="weights in .* changed since the artifact was built"):
+    with pytest.raises(ArtifactError, match=f"the target's {what} in .* changed since the artifact was built"):
         Session(str(art), verbose=False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[]", "not a specc manifest"),
+    ('{"format": 1}', "manifest lacks config, environment, programs"),
+    ('{"format": 99, "programs": []}', "artifact format 99, this specc reads format 1"),
+])
+def test_malformed_manifest_is_refused(artifact, tmp_path, text, message):
+    art = _copy(artifact, tmp_path)
+    (art / "manifest.json").write_text(text)
+    with pytest.raises(ArtifactError, match=message):
+        open_artifact(art)
 
 
 def test_program_config_diff_names_the_fields(tiny_llama_dir):
@@ -255,6 +269,7 @@ def test_config_compiles_on_first_use_then_reuses(tiny_llama_dir, artifact, tmp_
 
     def fake_compile(cfg, out, progress=True, target=None):  # the module's artifact stands in
         calls.append(out)
+        shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(artifact, out)
         return out
 
@@ -264,6 +279,8 @@ def test_config_compiles_on_first_use_then_reuses(tiny_llama_dir, artifact, tmp_
         s = Session(cfg, verbose=False)
         assert s.compiled
     assert len(calls) == 1 and calls[0].parent == tmp_path / "cache" / "compiled"
+    (calls[0] / "programs" / "decode_b1.pt2").write_bytes(b"truncated")  # a damaged cache entry is rebuilt
+    assert Session(cfg, verbose=False).compiled and len(calls) == 2
     with pytest.raises(Exception, match="enforce_eager: true"):
         Session(dict(cfg, speculative_config=drafter_spec("early_exit", 2)), verbose=False)
 
@@ -279,6 +296,12 @@ def test_write_is_atomic(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ArtifactError, match="exists and is not a specc artifact"):
         write_artifact(tmp_path / "file", lambda tmp: {})
+    other = tmp_path / "webext"  # another tool's folder that happens to hold a manifest.json
+    (other / "src").mkdir(parents=True)
+    (other / "manifest.json").write_text('{"manifest_version": 3}')
+    with pytest.raises(ArtifactError, match="exists and is not a specc artifact"):
+        write_artifact(other, lambda tmp: {})
+    assert (other / "src").is_dir()
 
 
 def test_cli_generate_from_artifact(artifact, capsys):

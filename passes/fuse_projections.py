@@ -99,7 +99,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from specc.passes.graph_attrs import del_attr, fake_val, get_attr_tensor, set_attr, set_meta
+from specc.passes.graph_attrs import del_attr, fake_val, get_attr_tensor, set_meta, set_or_check_attr
 
 __all__ = ["fuse_projections", "fused_name"]
 
@@ -173,14 +173,7 @@ def _fused_attr(gm: fx.GraphModule, attr_nodes: list[fx.Node], dim: int,
     if name in created:
         return name
     value = torch.cat([get_attr_tensor(gm, t).detach() for t in targets], dim=dim)
-    existing = get_attr_tensor(gm, name)
-    if existing is not None:
-        if existing.shape != value.shape or existing.dtype != value.dtype \
-                or not torch.equal(existing, value):
-            raise RuntimeError(f"fuse_projections: attribute {name!r} exists and differs from "
-                               f"the concatenation of {targets}")
-    else:
-        set_attr(gm, name, value)
+    set_or_check_attr(gm, name, value, what=f"fuse_projections (concatenation of {targets}): ")
     created[name] = get_attr_tensor(gm, name)
     return name
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-__all__ = ["get_attr_tensor", "set_attr", "del_attr", "fake_val", "set_meta"]
+__all__ = ["get_attr_tensor", "set_attr", "set_or_check_attr", "del_attr", "fake_val", "set_meta"]
 
 
 def get_attr_tensor(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
@@ -43,6 +43,19 @@ def set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, *, parameter:
         mod.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
     else:
         mod.register_buffer(leaf, value)
+
+
+def set_or_check_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, *, parameter: bool = True,
+                      what: str = "") -> None:
+    """Register ``value`` at ``target`` unless an equal tensor is already there (a pass
+    run twice, or the same derived weight reached from two places).
+
+    Raises RuntimeError (prefixed with ``what``) when a different tensor holds the path."""
+    existing = get_attr_tensor(gm, target)
+    if existing is None:
+        set_attr(gm, target, value, parameter=parameter)
+    elif existing.shape != value.shape or existing.dtype != value.dtype or not torch.equal(existing, value):
+        raise RuntimeError(f"{what}attribute {target!r} exists and holds another tensor")
 
 
 def del_attr(gm: fx.GraphModule, target: str) -> None:

@@ -131,7 +131,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from specc.passes.graph_attrs import del_attr, fake_val, get_attr_tensor, set_attr, set_meta
+from specc.passes.graph_attrs import del_attr, fake_val, get_attr_tensor, set_meta, set_or_check_attr
 
 __all__ = ["pretranspose_weights", "transposed_name", "SHARED_MODES"]
 
@@ -244,14 +244,8 @@ def pretranspose_weights(gm: fx.GraphModule, *, shared: str = "embedding") -> in
         source = linears[0][0].target  # first get_attr a linear reads: deterministic
         name = transposed_name(source)
         value = w.detach().t().clone(memory_format=torch.contiguous_format)
-        existing = get_attr_tensor(gm, name)
-        if existing is not None:
-            if existing.shape != value.shape or existing.dtype != value.dtype \
-                    or not torch.equal(existing, value):
-                raise RuntimeError(f"pretranspose_weights: attribute {name!r} exists and is not "
-                                   f"the transpose of {source!r}")
-        else:
-            set_attr(gm, name, value, parameter=_is_parameter(gm, source))
+        set_or_check_attr(gm, name, value, parameter=_is_parameter(gm, source),
+                          what=f"pretranspose_weights (transpose of {source!r}): ")
 
         with graph.inserting_before(attrs[0]):  # before every reader of the tensor
             wt_node = graph.get_attr(name)

@@ -51,10 +51,15 @@ class ProgramSet:
     """The loaded programs of an artifact.
 
     Attributes:
-        prefill: the prefill program (chunks up to ``prefill.tokens``); ``decode`` /
-            ``spec_step``: ``{b: program}``
-            by batch bucket; ``buckets``: sorted batch buckets; ``k``: draft tokens per
-            spec step (0 without speculation); ``max_logprobs``: top logprobs returned.
+        prefill: the prefill program (chunks up to ``prefill.tokens``).
+        decode, spec_step: ``{b: program}`` by batch bucket.
+        buckets: sorted batch buckets; k: draft tokens per spec step (0 without speculation).
+        weights: ``{stored name: tensor}``, kept alive here: the programs bind them
+            user-managed (they hold pointers, not references).
+
+    Raises:
+        KeyError / RuntimeError from the packages when the artifact was not checked with
+        :func:`specc.artifact.open_artifact` first.
     """
 
     def __init__(self, artifact: Artifact, device: str = "cpu"):
@@ -77,7 +82,6 @@ class ProgramSet:
                 getattr(self, p["kind"])[p["batch"]] = prog
         self.buckets = sorted(self.decode)
         self.k = next(iter(self.spec_step.values())).tokens - 1 if self.spec_step else 0
-        self.max_logprobs = m["max_logprobs"]
         self.weights = stored
 
 

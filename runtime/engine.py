@@ -92,6 +92,8 @@ class Engine:
     # -- internals -----------------------------------------------------------------------
     def _release(self, running: list[Request], req: Request) -> None:
         """Free ``req``'s slot; the request in the last slot moves into it."""
+        if self.proposer is not None:
+            self.proposer.finish(req)
         i, last = running.index(req), len(running) - 1
         if i != last:
             self.cache.copy_slot(last, i)

@@ -163,7 +163,7 @@ class CompiledEngine(Engine):
     def _verify(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, nd: torch.Tensor,
                 draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
         if draft_probs is not None:
-            raise NotImplementedError("compiled steps verify deterministic drafts only (ngram)")
+            raise NotImplementedError("compiled steps verify deterministic drafts only (ngram, suffix)")
         B, top = len(running), self.programs.buckets[-1]
         tokens: list[list[int]] = []
         accepted: list[int] = []

@@ -47,8 +47,10 @@ __all__ = ["compile_artifact", "plan_programs", "PREFILL_CHUNK", "COMPILED_METHO
 PREFILL_CHUNK = 256
 #: The runtime rounds each call's kv_len (keys attended) up to a multiple of this.
 KV_LEN_ALIGN = 32
-#: Drafting methods whose step has a compiled program (None = no speculation).
-COMPILED_METHODS = (None, "ngram")
+#: Drafting methods whose step has a compiled program (None = no speculation). Host
+#: drafters only: their draft tokens are inputs of ``spec_step``, so one program serves
+#: every such method (the artifact still records the method it was built for).
+COMPILED_METHODS = (None, "ngram", "suffix")
 
 
 def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
@@ -68,7 +70,7 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
     method = config.speculative_config.method if config.speculative_config else None
     if method not in COMPILED_METHODS:
         raise ConfigError(
-            f"speculative_config.method = {method!r}: compiled programs exist for 'ngram' and for "
+            f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix' and for "
             "non-speculative decoding so far; set enforce_eager: true (specc generate/bench/profile: "
             "--enforce-eager) to run this method on the eager path", label)
     if config.device == "npu":

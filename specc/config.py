@@ -38,6 +38,7 @@ from pydantic import (
 __all__ = [
     "ConfigError",
     "SPECULATIVE_METHODS",
+    "SUFFIX_DEFAULTS",
     "SamplingDefaults",
     "SpeccConfig",
     "SpeculativeConfig",
@@ -94,6 +95,10 @@ Int = Annotated[int, BeforeValidator(_reject_bool)]
 _METHOD_FIELDS: dict[str, frozenset[str]] = {
     "ngram": frozenset({"prompt_lookup_min", "prompt_lookup_max"}),
     "draft_model": frozenset({"model", "num_draft_layers"}),
+    "suffix": frozenset({
+        "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+    }),
 }
 SPECULATIVE_METHODS: tuple[str, ...] = tuple(_METHOD_FIELDS)
 SpeculativeMethod = Literal[SPECULATIVE_METHODS]  # type: ignore[valid-type]
@@ -103,6 +108,13 @@ SpeculativeMethod = Literal[SPECULATIVE_METHODS]  # type: ignore[valid-type]
 DEFAULT_PROMPT_LOOKUP_MIN = 5
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 MAX_SPECULATIVE_TOKENS = 16
+# vLLM's / Arctic Inference's defaults for suffix decoding (vllm/config/speculative.py).
+SUFFIX_DEFAULTS: dict[str, Any] = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
 
 
 class SpeculativeConfig(BaseModel):
@@ -113,6 +125,9 @@ class SpeculativeConfig(BaseModel):
     * ``draft_model``: an independent drafter (``model``: HF folder, ``.gguf`` or an
       embedded name), or an early-exit self-draft (``num_draft_layers: N``, ``model``
       omitted): the target's first N layers + its final norm + lm_head.
+    * ``suffix``: SuffixDecoding (per-request and global suffix trees); the
+      ``suffix_decoding_*`` fields take vLLM's defaults (:data:`SUFFIX_DEFAULTS`) when
+      omitted.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -123,6 +138,10 @@ class SpeculativeConfig(BaseModel):
     num_draft_layers: Int | None = Field(default=None, ge=1)
     prompt_lookup_min: Int | None = Field(default=None, ge=1)
     prompt_lookup_max: Int | None = Field(default=None, ge=1)
+    suffix_decoding_max_tree_depth: Int | None = Field(default=None, ge=1)
+    suffix_decoding_max_cached_requests: Int | None = Field(default=None, ge=0)
+    suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
 
     @field_validator("model")
     @classmethod
@@ -160,6 +179,10 @@ class SpeculativeConfig(BaseModel):
                     hi,
                 )
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        elif self.method == "suffix":
+            for name, default in SUFFIX_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
         elif self.method == "draft_model":
             if (self.model is None) == (self.num_draft_layers is None):
                 both = self.model is not None

@@ -78,7 +78,9 @@ def drafter_spec(method: str, k: int, model_dir=None, **overrides) -> dict:
 
     * ``"ngram"``: prompt lookup, n-grams of 1..4 tokens;
     * ``"draft_model"``: the model in ``model_dir`` drafts (own KV cache);
-    * ``"early_exit"``: the target's first layer drafts (shared cache).
+    * ``"early_exit"``: the target's first layer drafts (shared cache);
+    * ``"suffix"``: suffix decoding with vLLM's defaults (global tree on; pass
+      ``suffix_decoding_max_cached_requests=0`` for drafts that depend on the request only).
 
     ``overrides`` replace or add fields (e.g. ``num_draft_layers=8``)."""
     if method == "ngram":
@@ -88,6 +90,8 @@ def drafter_spec(method: str, k: int, model_dir=None, **overrides) -> dict:
         spec = dict(method="draft_model", num_speculative_tokens=k, model=str(model_dir))
     elif method == "early_exit":
         spec = dict(method="draft_model", num_speculative_tokens=k, num_draft_layers=1)
+    elif method == "suffix":
+        spec = dict(method="suffix", num_speculative_tokens=k)
     else:
         raise ValueError(method)
     return {**spec, **overrides}

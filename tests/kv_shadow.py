@@ -108,7 +108,7 @@ class Checks:
     step_sizes: list[tuple[int, int]] = field(default_factory=list)  # (rows, unfinished rows)
     admissions: list[tuple[int, int, dict[int, int]]] = field(default_factory=list)
     # (request_id, step index, {other running request: its output length}) at each prefill
-    ngram_histories: list[list[int]] = field(default_factory=list)
+    ngram_histories: list[list[int]] = field(default_factory=list)  # n-gram and suffix drafters
 
     @property
     def errors(self) -> list[str]:
@@ -193,4 +193,14 @@ def checked(session: Session):
                 return f
 
             _wrap(lookup, "propose", l_propose, stack)
+        history = getattr(proposer, "history", None)
+        if history is not None:  # suffix: the tokens in each request's tree when it drafts
+            def s_candidate(orig):
+                def f(req, max_tokens=None):
+                    out = orig(req, max_tokens)
+                    checks.ngram_histories.append(history(req.request_id))
+                    return out
+                return f
+
+            _wrap(proposer, "candidate", s_candidate, stack)
         yield checks

@@ -25,7 +25,7 @@ L = 64  # max_model_len
 K = 5
 MAX_TOKENS = 100  # more than fits: the context limit ends every request
 LENGTHS = list(range(58, 64))
-METHODS = ["ngram", "draft_model", "early_exit", "cap_ignoring"]
+METHODS = ["ngram", "draft_model", "early_exit", "suffix", "cap_ignoring"]
 
 
 class ForwardLog:
@@ -119,7 +119,7 @@ def test_context_limit_single(base, trajectories, sessions, method, n):
         out = spec.generate([prompt], greedy(MAX_TOKENS))[0]
         ref = base.generate([prompt], greedy(MAX_TOKENS), use_speculation=False)[0]
         check_limit(out, ref, prompt, traj[n:])
-        if method in ("ngram", "cap_ignoring", "draft_model") and n <= L - 3:
+        if method in ("ngram", "cap_ignoring", "draft_model", "suffix") and n <= L - 3:
             # room for at least one draft after the prefill token: it was verified
             assert out.metrics.spec.num_draft_tokens >= 1
     check_forwards(logs)

@@ -7,7 +7,7 @@ at different steps, one of them finishing at its prefill. Every request must giv
 non-speculative output of the same request run alone; placeholder or padding tokens
 never appear in outputs, logprobs or the drafter's history.
 
-Drafters: n-gram, draft model (own KV cache: slot moves, stale state, rollback after
+Drafters: n-gram, suffix, draft model (own KV cache: slot moves, stale state, rollback after
 rejections; once == target, once another model with the same tokenizer), early exit
 (the target's first layer, shared cache) and an oracle (scripted, records the history
 it is called with).
@@ -93,7 +93,7 @@ def alone(base):
     return get
 
 
-METHODS = ["ngram", "draft_model", "draft_model_other", "early_exit", "oracle"]
+METHODS = ["ngram", "suffix", "draft_model", "draft_model_other", "early_exit", "oracle"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def sessions(tiny_llama_dir, other_llama_dir, prompts, alone):
         if method in made:
             return made[method]
         spec, proposer = None, None
-        if method in ("ngram", "early_exit"):
+        if method in ("ngram", "suffix", "early_exit"):
             spec = drafter_spec(method, K)
         elif method == "draft_model":
             spec = drafter_spec("draft_model", K, tiny_llama_dir)
@@ -151,6 +151,8 @@ def _run_and_check(session: Session, method: str, reqs: list[tuple[list[int], in
         assert out.metrics.num_generation_tokens == len(out.token_ids)
         assert sum(out.metrics.tokens_per_step) == len(out.token_ids)
     assert_histories(checks, session.proposer, outs)
+    if method in ("ngram", "suffix"):
+        assert checks.ngram_histories  # the host drafter's histories were recorded
     if method in ("draft_model", "oracle"):
         # the drafter proposes the target's own greedy tokens: if its state survived the
         # admissions and slot moves, every draft is accepted

@@ -31,7 +31,10 @@ K = 4
 BUCKETS = [1, 2, 4, 8]
 MAX_MODEL_LEN = 160
 
-METHODS = ["ngram", "early_exit", "draft_model"]  # draft_model: drafter == target
+METHODS = ["ngram", "early_exit", "draft_model", "suffix"]  # draft_model: drafter == target
+# suffix: per-request trees only, so a request drafts the same alone and in a batch (the
+# global tree would carry the earlier runs' outputs into later drafts)
+OVERRIDES = {"suffix": dict(suffix_decoding_max_cached_requests=0)}
 
 
 def _session(model_dir, spec=None):
@@ -65,7 +68,8 @@ def base_outputs(tiny_llama_dir, pool):
 
 @pytest.fixture(scope="module", params=METHODS)
 def spec_session(request, tiny_llama_dir, pool):
-    session = _session(tiny_llama_dir, drafter_spec(request.param, K, tiny_llama_dir))
+    session = _session(tiny_llama_dir, drafter_spec(request.param, K, tiny_llama_dir,
+                                                    **OVERRIDES.get(request.param, {})))
     # each request alone, with speculation: the reference for its counters
     alone = [session.generate([p], _greedy(m))[0] for p, m in pool]
     return request.param, session, alone
@@ -103,5 +107,5 @@ def test_live_batch_between_buckets(n, spec_session, pool, base_outputs):
         # padded rows changed no counter: same as the request alone (same drafts, same steps)
         assert _counters(out) == _counters(solo), (method, n, i)
         assert sum(out.metrics.tokens_per_step) == len(out.token_ids)
-    if method in ("ngram", "draft_model"):
+    if method in ("ngram", "draft_model", "suffix"):
         assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0

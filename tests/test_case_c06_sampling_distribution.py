@@ -2,7 +2,8 @@
 
 The kernel-level statistical tests live in ``test_rejection_sampler.py``; this file proves
 that the *runtime path* is lossless: per-request uniforms, the drafters' processed
-probabilities q (draft model, early exit), the n-gram drafter's one-hot q, padded
+probabilities q (draft model, early exit), the n-gram and suffix drafters' one-hot q
+(suffix with its global tree on: drafts from other requests' sampled outputs), padded
 verify batches and the engine's bookkeeping.
 
 Toy model: a 2-layer random Llama with a 64-token vocabulary (so chi-square cells are
@@ -53,7 +54,7 @@ SETTINGS = {
     "top_k2": dict(top_k=2),
     "t1.3": dict(temperature=1.3),
 }
-METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target"]
+METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix"]
 
 
 def _build_toy(out_dir: Path, tokenizer, seed: int) -> Path:

@@ -46,11 +46,17 @@ def _unseeded(i: int) -> SamplingParams:
     return SamplingParams(**settings[i % len(settings)], max_tokens=[3, 14, 7, 10, 20][i % 5])
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit"])
+# suffix: per-request trees only; with the global tree a request's drafts, and so which
+# uniforms decide which token, depend on the requests that finished before it
+OVERRIDES = {"suffix": dict(suffix_decoding_max_cached_requests=0)}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "suffix"])
 def test_seeded_request_identical_alone_and_batched(method, tiny_llama_dir):
     results = []
     for max_num_seqs in (4, 2):  # 2: requests wait for a slot and join mid-generation
-        s = make_session(tiny_llama_dir, drafter_spec(method, K, tiny_llama_dir), max_num_seqs=max_num_seqs)
+        s = make_session(tiny_llama_dir, drafter_spec(method, K, tiny_llama_dir, **OVERRIDES.get(method, {})),
+                         max_num_seqs=max_num_seqs)
         if max_num_seqs == 4:
             for _ in range(5):  # alone
                 results.append(("alone", s.generate(PROMPT, SamplingParams(**SEEDED))[0]))

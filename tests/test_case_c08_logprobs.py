@@ -95,7 +95,7 @@ def _check_against_reference(out, ref: torch.Tensor) -> None:
         assert all(_close(v, r) for (_, v), r in zip(lp.top, top_vals)), (i, lp.top, top_vals)
 
 
-@pytest.mark.parametrize("method", ["oracle", "ngram", "draft_model", "early_exit"])
+@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "draft_model", "early_exit"])
 def test_greedy_logprobs_equal_non_spec(method, sessions, base, hf_model):
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3)
     s = sessions(method)

@@ -131,3 +131,45 @@ def test_draft_model_cache_is_prompt_plus_emitted(base, draft_model, max_tokens)
     if max_tokens[0] < max_tokens[1]:
         # the long request moved from slot 1 to slot 0 and kept a correct history there
         assert (outs[1].request_id, 1) in checked and (outs[1].request_id, 0) in checked
+
+
+@pytest.mark.parametrize("max_tokens", [(64, 64), (23, 64)], ids=["same", "first_short"])
+def test_suffix_history_and_drafts(base, tiny_llama_dir, max_tokens):
+    """The suffix drafter (per-request trees only): at every step each request's tree
+    holds exactly prompt + emitted tokens, also after the other request finished and this
+    one moved slot; its drafts equal those of a tree built afresh from that history (cut
+    to the engine's cap); the output equals non-spec."""
+    from specc.runtime.drafters.suffix_tree import SuffixTree
+
+    s = make_session(tiny_llama_dir, drafter_spec("suffix", K, suffix_decoding_max_cached_requests=0))
+    proposer = s.proposer
+    prompt_ids = [s.tokenize(p) for p in PROMPTS]
+    calls: list[tuple[int, list[int], list[int], int, list[int]]] = []  # (id, tree, history, cap, drafts)
+    orig = proposer.propose
+
+    def propose(batch, max_drafts, uniforms):
+        proposal = orig(batch, max_drafts, uniforms)
+        for b, req in enumerate(batch.requests):
+            if max_drafts[b] > 0:
+                n = int(proposal.num_draft_tokens[b])
+                calls.append((req.request_id, proposer.history(req.request_id), list(req.all_token_ids),
+                              max_drafts[b], proposal.draft_token_ids[b, :n].tolist()))
+        return proposal
+
+    params = [greedy(m) for m in max_tokens]
+    with patched(proposer, "propose", propose):
+        outs = s.generate(prompt_ids, params)
+    refs = base.generate(prompt_ids, params, use_speculation=False)
+    for out, ref in zip(outs, refs):
+        assert out.token_ids == ref.token_ids
+        assert out.metrics.spec.num_accepted_tokens > 0  # the repeated phrase gets drafted
+        full = out.prompt_token_ids + out.token_ids
+        mine = [c for c in calls if c[0] == out.request_id]
+        assert mine
+        for _, tree, history, cap, drafts in mine:
+            assert tree == history == full[: len(history)]  # exactly prompt + emitted tokens
+            fresh = SuffixTree(proposer.max_tree_depth)
+            fresh.extend(0, history)
+            want = fresh.speculate(history, min(K, cap), proposer.max_spec_factor, proposer.min_token_prob)
+            assert drafts == want.token_ids
+    assert proposer.num_live == 0

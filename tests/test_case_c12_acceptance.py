@@ -6,11 +6,11 @@
   the padded row is a fourth request that finishes at its prefill (max_tokens=1) and
   rides along in the first verify step as a row with no drafts (padded at the cache's
   trash position), in a cache of 4 slots.
-* A deterministic drafter's acceptance (n-gram, early exit, draft model, greedy) is the
-  same for a request alone (batch 1) and in a padded batch.
+* A deterministic drafter's acceptance (n-gram, suffix, early exit, draft model, greedy)
+  is the same for a request alone (batch 1) and in a padded batch.
 * A stored baseline (``tests/data/c12_acceptance_baseline.json``: mean acceptance
-  length of the n-gram and early-exit drafters on a frozen prompt set, tiny Llama) must
-  not drop by more than 1%. Regenerate it deliberately with
+  length of the n-gram, early-exit and suffix drafters on a frozen prompt set, tiny
+  Llama) must not drop by more than 1%. Regenerate it deliberately with
   ``SPECC_WRITE_ACCEPTANCE_BASELINE=1 pytest tests/test_case_c12_acceptance.py``.
 """
 
@@ -80,12 +80,15 @@ def test_full_acceptance(base, full_accept_sessions, k, drafter, batch):
 
 # -- deterministic drafter: batch 1 == padded batch ------------------------------------------
 
-DETERMINISTIC = ["draft_model", "early_exit", "ngram"]
+DETERMINISTIC = ["draft_model", "early_exit", "ngram", "suffix"]
+# suffix: per-request trees only (the global tree would carry the alone runs' outputs into
+# the batched run's drafts)
+OVERRIDES = {"suffix": dict(suffix_decoding_max_cached_requests=0)}
 
 
 @pytest.mark.parametrize("method", DETERMINISTIC)
 def test_deterministic_drafter_same_alone_and_batched(tiny_llama_dir, method):
-    spec = make_session(tiny_llama_dir, drafter_spec(method, 3, tiny_llama_dir))
+    spec = make_session(tiny_llama_dir, drafter_spec(method, 3, tiny_llama_dir, **OVERRIDES.get(method, {})))
     prompts = PROMPTS + [PAD_PROMPT]
     params = [greedy(24)] * len(PROMPTS) + [greedy(1)]
     alone = [spec.generate([p], prm)[0] for p, prm in zip(prompts, params)]
@@ -112,6 +115,7 @@ FROZEN_TOKEN_PROMPTS = LOOPING_SEEDS  # the tiny model loops on these
 BASELINE_METHODS = {
     "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4),
     "early_exit": dict(method="draft_model", num_speculative_tokens=4, num_draft_layers=1),
+    "suffix": dict(method="suffix", num_speculative_tokens=4),
 }
 BASELINE_MAX_TOKENS = 32
 BASELINE_BATCH = 8  # every prompt in one batch

@@ -130,6 +130,18 @@ def test_greedy_equals_eager_in_every_bucket(n, compiled, pool, reference):
         assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
 
 
+def test_suffix_drafter_on_the_same_programs(artifact, pool, reference):
+    """A host drafter's tokens are spec_step inputs: the suffix drafter runs on the
+    programs built for ngram, every bucket, and gives the eager output."""
+    from specc.runtime.drafters.suffix import SuffixDrafter
+
+    s = Session(str(artifact), proposer=SuffixDrafter(K), verbose=False)
+    outs = s.generate([p for p, _ in pool], [_params(m) for _, m in pool])
+    _assert_same(outs, reference)
+    assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
+    assert s.proposer.num_live == 0 and len(s.proposer.global_tree) == len(pool)
+
+
 def test_non_speculative_programs_equal_eager(compiled, pool, reference):
     outs = compiled.generate([p for p, _ in pool], [_params(m) for _, m in pool], use_speculation=False)
     _assert_same(outs, reference)

@@ -203,7 +203,7 @@ def test_sampling_bad(field, value, needle):
 
 
 def test_methods_registry():
-    assert set(SPECULATIVE_METHODS) == {"ngram", "draft_model"}
+    assert set(SPECULATIVE_METHODS) == {"ngram", "draft_model", "suffix"}
 
 
 def test_ngram_defaults_follow_vllm():

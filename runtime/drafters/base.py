@@ -50,7 +50,8 @@ class Proposal:
 class Proposer(ABC):
     """A drafting method. The engine calls, per request and step, in this order:
     ``prefill`` once at admission, then each step ``propose`` → target verify →
-    ``on_verified``; ``move_slot`` when a request changes KV slot.
+    ``on_verified``; ``move_slot`` when a request changes KV slot; ``finish`` once when
+    the request is done.
     """
 
     def __init__(self, num_speculative_tokens: int):
@@ -75,6 +76,11 @@ class Proposer(ABC):
 
     def move_slot(self, src: int, dst: int) -> None:
         """The request in slot ``src`` moved to slot ``dst`` (its old slot is free)."""
+
+    def finish(self, request: Request) -> None:
+        """``request`` finished and its slot is being freed (before any ``move_slot`` into
+        it); also for a request that finished at its prefill token, so before any
+        ``prefill`` call. Drop per-request state here (default: nothing)."""
 
 
 def pad_drafts(drafts: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,13 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
         from specc.runtime.drafters.ngram import NgramDrafter
 
         return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        from specc.runtime.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter(
+            k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+        )
     if spec.method == "draft_model":
         from specc.runtime.drafters.draft_model import DraftModelProposer
 

@@ -167,7 +167,6 @@ def test_global_tree_evicts_oldest_and_stays_bounded():
             fresh.extend(i, o)
         assert len(d.global_tree) == min(rid + 1, cap)
         assert d.global_tree.counts() == fresh.counts()
-        assert d.global_tree.num_nodes == fresh.num_nodes
         assert d.global_tree.num_nodes <= 1 + depth * sum(map(len, outputs[-cap:]))
     # freed nodes are reused: storage stops growing once the cache is full
     assert max(sizes) <= 1 + depth * 3 * 40

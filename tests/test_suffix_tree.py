@@ -111,7 +111,7 @@ def test_counts_equal_reference(seqs, depth, chunk):
     tree = build(seqs, depth, chunk)
     assert tree.counts() == reference_counts(seqs, depth)
     assert tree.num_tokens == sum(map(len, seqs)) == tree.count([])
-    assert tree.num_nodes == 1 + len(reference_counts(seqs, depth))
+    assert tree.num_nodes <= 1 + len(reference_counts(seqs, depth))  # unique tails are implicit
     for i, q in enumerate(seqs):
         assert tree.sequence(i) == q
         for n in range(1, min(depth, len(q)) + 1):
@@ -141,8 +141,11 @@ def test_remove_equals_fresh_tree(seqs, depth, drop):
         else:
             kept.append(q)
     fresh = build(kept, depth)
-    assert tree.counts() == fresh.counts()
-    assert tree.num_nodes == fresh.num_nodes and tree.num_tokens == fresh.num_tokens
+    assert tree.counts() == fresh.counts() == reference_counts(kept, depth)
+    assert tree.num_tokens == fresh.num_tokens
+    # a node left with one occurrence stays a branch (not re-compressed), so the removal
+    # tree may store more nodes than a fresh one, never more than one per substring
+    assert fresh.num_nodes <= tree.num_nodes <= 1 + len(reference_counts(kept, depth))
     # the best-child caches were invalidated where needed: same drafts as a fresh tree
     pattern = (kept[0] if kept else [0])[-3:]
     for tree_mode in (False, True):

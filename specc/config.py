@@ -94,7 +94,11 @@ Int = Annotated[int, BeforeValidator(_reject_bool)]
 _METHOD_FIELDS: dict[str, frozenset[str]] = {
     "ngram": frozenset({"prompt_lookup_min", "prompt_lookup_max"}),
     "draft_model": frozenset({"model", "num_draft_layers"}),
+    "eagle": frozenset({"model"}),
+    "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids"}),
 }
+# methods whose `model` is a head folder (config.json + model.safetensors), required
+_HEAD_METHODS = {"eagle": "an EAGLE head", "eagle3": "an EAGLE-3 head"}
 SPECULATIVE_METHODS: tuple[str, ...] = tuple(_METHOD_FIELDS)
 SpeculativeMethod = Literal[SPECULATIVE_METHODS]  # type: ignore[valid-type]
 
@@ -113,6 +117,9 @@ class SpeculativeConfig(BaseModel):
     * ``draft_model``: an independent drafter (``model``: HF folder, ``.gguf`` or an
       embedded name), or an early-exit self-draft (``num_draft_layers: N``, ``model``
       omitted): the target's first N layers + its final norm + lm_head.
+    * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
+      ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
+      layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -123,6 +130,20 @@ class SpeculativeConfig(BaseModel):
     num_draft_layers: Int | None = Field(default=None, ge=1)
     prompt_lookup_min: Int | None = Field(default=None, ge=1)
     prompt_lookup_max: Int | None = Field(default=None, ge=1)
+    eagle_aux_hidden_state_layer_ids: list[Int] | None = None
+
+    @field_validator("eagle_aux_hidden_state_layer_ids")
+    @classmethod
+    def _layer_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must list at least one target layer id (HF numbering: 0 = embeddings)")
+        if any(i < 0 for i in v):
+            raise ValueError("layer ids must be >= 0 (0 = embeddings, j = output of decoder layer j-1)")
+        if len(set(v)) != len(v):
+            raise ValueError("layer ids must be distinct")
+        return v
 
     @field_validator("model")
     @classmethod
@@ -160,6 +181,12 @@ class SpeculativeConfig(BaseModel):
                     hi,
                 )
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        elif self.method in _HEAD_METHODS and self.model is None:
+            raise _FieldError(
+                "model",
+                f"method '{self.method}' needs 'model': the folder of {_HEAD_METHODS[self.method]} "
+                "(config.json + model.safetensors)",
+            )
         elif self.method == "draft_model":
             if (self.model is None) == (self.num_draft_layers is None):
                 both = self.model is not None

@@ -203,7 +203,7 @@ def test_sampling_bad(field, value, needle):
 
 
 def test_methods_registry():
-    assert set(SPECULATIVE_METHODS) == {"ngram", "draft_model"}
+    assert set(SPECULATIVE_METHODS) == {"ngram", "draft_model", "eagle", "eagle3"}
 
 
 def test_ngram_defaults_follow_vllm():
@@ -308,8 +308,8 @@ def test_check_against_target():
 
 
 def test_bad_method_lists_allowed_methods():
-    msg = err(spec(method="eagle"))
-    assert "speculative_config.method = 'eagle'" in msg
+    msg = err(spec(method="medusa"))
+    assert "speculative_config.method = 'medusa'" in msg
     for m in SPECULATIVE_METHODS:
         assert f"'{m}'" in msg
 

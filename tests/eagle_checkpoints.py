@@ -48,12 +48,12 @@ def _norm(h: int, g: torch.Generator) -> torch.Tensor:
     return 1 + 0.1 * torch.randn(h, generator=g)
 
 
-def write_eagle_checkpoint(folder: Path, target, *, bias: bool = True, write_bias_key: bool = False,
+def write_eagle_checkpoint(folder: Path, config, *, bias: bool = True, write_bias_key: bool = False,
                            embed: torch.Tensor | None = None, seed: int = 0, std: float = 0.1) -> Path:
-    """An EAGLE (EAGLE-1/2) head for ``target`` (a specc LlamaForCausalLM): ``fc.weight``
+    """An EAGLE (EAGLE-1/2) head for a target of ``config`` (a ModelConfig): ``fc.weight``
     [H, 2H] (+ ``fc.bias``), ``layers.0.*`` without ``input_layernorm``; ``embed``: also
     write ``embed_tokens.weight``; ``write_bias_key``: put ``"bias"`` in config.json."""
-    c = target.config
+    c = config
     g = torch.Generator().manual_seed(seed)
     h = c.hidden_size
     sd = {"fc.weight": torch.randn(h, 2 * h, generator=g) * std}
@@ -67,13 +67,13 @@ def write_eagle_checkpoint(folder: Path, target, *, bias: bool = True, write_bia
     return _write(folder, sd, head_config(c, **extra))
 
 
-def write_eagle3_checkpoint(folder: Path, target, *, draft_vocab_size: int = 512, layer_ids=None,
+def write_eagle3_checkpoint(folder: Path, config, *, draft_vocab_size: int = 512, layer_ids=None,
                             in_eagle_config: bool = False, seed: int = 0, std: float = 0.1) -> Path:
-    """An EAGLE-3 head for ``target``: ``fc.weight`` [H, 3H], ``midlayer.*`` (q/k/v over 2H),
+    """An EAGLE-3 head for a target of ``config``: ``fc.weight`` [H, 3H], ``midlayer.*`` (q/k/v over 2H),
     ``norm.weight``, ``lm_head.weight`` [draft_vocab_size, H], ``d2t``/``t2d`` for a random
     sorted subset of the target vocabulary; ``layer_ids`` written as vLLM's
     ``eagle_aux_hidden_state_layer_ids`` (top level, or in ``eagle_config``)."""
-    c = target.config
+    c = config
     g = torch.Generator().manual_seed(seed)
     h, v = c.hidden_size, c.vocab_size
     kept = torch.randperm(v, generator=g)[:draft_vocab_size].sort().values   # target ids, increasing

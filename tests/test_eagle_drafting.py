@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
-from helpers import greedy, make_session, patched
+from eagle_checkpoints import write_eagle3_checkpoint
+from helpers import drafter_spec, greedy, make_session, patched
 from specc import SamplingParams
 from specc.config import ConfigError, load_config
 from specc.models.kv_cache import KVCache
@@ -20,15 +20,12 @@ PROMPTS = ["Hello there, how are you today?", "The capital of France is", "1 2 3
 
 
 @pytest.fixture(scope="module")
-def heads(tmp_path_factory, base):
-    target = base.target.model
-    root = tmp_path_factory.mktemp("heads")
-    return {"eagle": write_eagle_checkpoint(root / "eagle", target),
-            "eagle3": write_eagle3_checkpoint(root / "eagle3", target, layer_ids=[0, 1, 2])}
+def heads(tiny_eagle_heads):
+    return tiny_eagle_heads
 
 
 def _spec(heads, method: str, k: int, **kw) -> dict:
-    return dict(method=method, model=str(heads[method]), num_speculative_tokens=k, **kw)
+    return drafter_spec(method, k, heads[method], **kw)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +102,7 @@ def test_seeded_sampling_reproducible(tiny_llama_dir, heads, method):
 
 
 def test_eagle3_layer_ids_from_config(tiny_llama_dir, tmp_path, base):
-    d = write_eagle3_checkpoint(tmp_path / "e3", base.target.model)  # no ids in its config.json
+    d = write_eagle3_checkpoint(tmp_path / "e3", base.target.model.config)  # no ids in its config.json
     with pytest.raises(ConfigError, match=r"speculative_config.model = .*default layers.*"
                                           r"eagle_aux_hidden_state_layer_ids"):
         make_session(tiny_llama_dir, dict(method="eagle3", model=str(d)))

@@ -24,12 +24,12 @@ def target(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def eagle_dir(tmp_path_factory, target):
-    return write_eagle_checkpoint(tmp_path_factory.mktemp("eagle"), target)
+    return write_eagle_checkpoint(tmp_path_factory.mktemp("eagle"), target.config)
 
 
 @pytest.fixture(scope="module")
 def eagle3_dir(tmp_path_factory, target):
-    return write_eagle3_checkpoint(tmp_path_factory.mktemp("eagle3"), target, layer_ids=[0, 1, 2])
+    return write_eagle3_checkpoint(tmp_path_factory.mktemp("eagle3"), target.config, layer_ids=[0, 1, 2])
 
 
 def _pairs(target, head, n: int = 7, seed: int = 0):
@@ -152,26 +152,27 @@ def test_eagle3_head_matches_reference(target, eagle3_dir):
 def test_eagle_layout_variants(tmp_path, target):
     c = target.config
     # no fc.bias, config "bias": false (EAGLE repo's key)
-    h = load_eagle_head(write_eagle_checkpoint(tmp_path / "nobias", target, bias=False, write_bias_key=True), target)
+    d = write_eagle_checkpoint(tmp_path / "nobias", target.config, bias=False, write_bias_key=True)
+    h = load_eagle_head(d, target)
     assert h.fc.bias is None
     # an embed_tokens copy equal to the target's is dropped (shared)
     emb = target.model.embed_tokens.weight.detach().clone()
-    h = load_eagle_head(write_eagle_checkpoint(tmp_path / "emb", target, embed=emb), target)
+    h = load_eagle_head(write_eagle_checkpoint(tmp_path / "emb", target.config, embed=emb), target)
     assert h.embed_tokens is None
     # a different one is kept as the head's own
-    h = load_eagle_head(write_eagle_checkpoint(tmp_path / "own", target, embed=emb + 1), target)
+    h = load_eagle_head(write_eagle_checkpoint(tmp_path / "own", target.config, embed=emb + 1), target)
     assert torch.equal(h.embed(torch.tensor([[3]]))[0, 0], emb[3] + 1)
     assert h.config.num_hidden_layers == 1 and h.config.hidden_size == c.hidden_size
 
 
 def test_eagle3_layer_ids(tmp_path, target):
     # eagle_config.eagle_aux_hidden_state_layer_ids, any order -> increasing (vLLM's collection order)
-    d = write_eagle3_checkpoint(tmp_path / "cfg", target, layer_ids=[2, 0, 1], in_eagle_config=True)
+    d = write_eagle3_checkpoint(tmp_path / "cfg", target.config, layer_ids=[2, 0, 1], in_eagle_config=True)
     assert load_eagle_head(d, target).hidden_layers == (0, 1, 2)
     # the config field overrides the checkpoint
     assert load_eagle_head(d, target, layer_ids=[0, 2, 1]).hidden_layers == (0, 1, 2)
     # vLLM's default (2, L//2, L-3) does not fit a 2-layer target: a clear error
-    d = write_eagle3_checkpoint(tmp_path / "none", target)
+    d = write_eagle3_checkpoint(tmp_path / "none", target.config)
     with pytest.raises(ValueError, match=r"default layers.*outside \[0, 2\].*eagle_aux_hidden_state_layer_ids"):
         load_eagle_head(d, target)
     with pytest.raises(ValueError, match=r"2 layer ids, but fc.weight \(64, 192\) takes 192 = 3 x hidden_size"):
@@ -212,7 +213,7 @@ def _rewrite(folder, drop=(), replace=None):
 
 
 def test_missing_key_listed(tmp_path, target):
-    d = write_eagle_checkpoint(tmp_path / "e", target)
+    d = write_eagle_checkpoint(tmp_path / "e", target.config)
     _rewrite(d, drop=["layers.0.mlp.up_proj.weight", "fc.bias"], replace={"layers.0.extra": torch.zeros(1)})
     (d / "config.json").write_text((d / "config.json").read_text().replace('"vocab_size"', '"bias": true, "vocab_size"'))
     with pytest.raises(ValueError, match=r"missing keys \['fc.bias', 'layers.0.mlp.up_proj.weight'\].*"
@@ -221,7 +222,7 @@ def test_missing_key_listed(tmp_path, target):
 
 
 def test_wrong_shape_names_key_and_shapes(tmp_path, target):
-    d = write_eagle3_checkpoint(tmp_path / "e3", target, layer_ids=[0, 1, 2])
+    d = write_eagle3_checkpoint(tmp_path / "e3", target.config, layer_ids=[0, 1, 2])
     _rewrite(d, replace={"midlayer.self_attn.q_proj.weight": torch.zeros(64, 64)})
     with pytest.raises(ValueError, match=r"midlayer.self_attn.q_proj.weight: checkpoint \(64, 64\), "
                                          r"expected \(64, 128\)"):
@@ -229,7 +230,7 @@ def test_wrong_shape_names_key_and_shapes(tmp_path, target):
 
 
 def test_pickle_only_refused_with_conversion(tmp_path, target):
-    d = write_eagle_checkpoint(tmp_path / "e", target)
+    d = write_eagle_checkpoint(tmp_path / "e", target.config)
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"only pickle weights \(pytorch_model.bin\).*never unpickles.*"
                                          r"save_file\(torch.load\('pytorch_model.bin'"):
@@ -237,7 +238,7 @@ def test_pickle_only_refused_with_conversion(tmp_path, target):
 
 
 def test_hidden_size_and_kind_mismatch(tmp_path, target, eagle3_dir):
-    d = write_eagle_checkpoint(tmp_path / "e", target)
+    d = write_eagle_checkpoint(tmp_path / "e", target.config)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128, "head_dim": 16}))
     with pytest.raises(ValueError, match="hidden_size 128 differs from the target's 64"):
@@ -249,7 +250,7 @@ def test_hidden_size_and_kind_mismatch(tmp_path, target, eagle3_dir):
 
 
 def test_inconsistent_d2t_refused(tmp_path, target):
-    d = write_eagle3_checkpoint(tmp_path / "e3", target, layer_ids=[0, 1, 2])
+    d = write_eagle3_checkpoint(tmp_path / "e3", target.config, layer_ids=[0, 1, 2])
     d2t = read_tensors(d)["d2t"].clone()
     d2t[1] = d2t[0] - 1  # draft id 1 -> the target id of draft id 0
     _rewrite(d, replace={"d2t": d2t})

@@ -47,17 +47,32 @@ def test_greedy_equals_non_speculative(tiny_llama_dir, heads, reference, method,
     assert s.metrics.num_drafts > 0 and s.metrics.num_draft_tokens > 0
 
 
-def _reference_drafts(target, head, ids: list[int], k: int) -> list[int]:
-    """Greedy drafts recomputed from nothing: target forward over the verified tokens
-    ``ids[:-1]``, fused features, the head over every pair ``(f_p, x_{p+1})`` in a fresh
-    cache, then k-1 chain steps."""
+def _caught_up(target, head, ids: list[int], room: int):
+    """From nothing: a target forward over the verified tokens ``ids[:-1]``, their fused
+    features, the head over every pair ``(f_p, x_{p+1})`` in a fresh cache with ``room``
+    positions to spare. Returns (head output at the last pair ``[1, 1, H]``, head cache, n)."""
     n = len(ids) - 1
-    size = n + k + 1
-    tc = KVCache.for_model(target.config, 1, size)
+    tc = KVCache.for_model(target.config, 1, n + room)
     out = target(torch.tensor([ids[:n]]), torch.arange(n)[None], tc, hidden_layers=head.hidden_layers)
     feats = head.fuse(torch.stack([out.hidden_states[i] for i in head.hidden_layers], dim=2))
-    hc = head.make_cache(1, size)
-    h = head(torch.tensor([ids[1:]]), feats, torch.arange(n)[None], hc, kv_len=n)[:, -1:]
+    hc = head.make_cache(1, n + room)
+    return head(torch.tensor([ids[1:]]), feats, torch.arange(n)[None], hc, kv_len=n)[:, -1:], hc, n
+
+
+def _reference_logits(target, head, ids: list[int], drafts: list[int]) -> torch.Tensor:
+    """``[len(drafts), V]``: the head's logits before each of ``drafts`` (chain steps on
+    them after :func:`_caught_up`)."""
+    h, hc, n = _caught_up(target, head, ids, len(drafts) + 1)
+    logits = []
+    for j, tok in enumerate(drafts):
+        logits.append(head.compute_logits(h[:, -1])[0])
+        h = head(torch.tensor([[tok]]), h, torch.tensor([[n + j]]), hc, kv_len=n + j + 1)
+    return torch.stack(logits)
+
+
+def _reference_drafts(target, head, ids: list[int], k: int) -> list[int]:
+    """Greedy drafts recomputed from nothing: :func:`_caught_up`, then k-1 chain steps."""
+    h, hc, n = _caught_up(target, head, ids, k + 1)
     drafts = []
     for j in range(k):
         tok = int(head.compute_logits(h[:, -1]).argmax(-1))
@@ -155,3 +170,40 @@ def test_long_prompt_chunked_prefill(tiny_llama_dir, heads, method):
 
     with patched(prop, "propose", propose), torch.inference_mode():
         assert s.generate([prompt], greedy(10))[0].token_ids == ref
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_sampled_draft_probs_are_the_heads_processed_distribution(tiny_llama_dir, heads, method):
+    """q handed to rejection sampling = softmax of the head's logits after the request's
+    own temperature / top-k / top-p, recomputed from scratch; each sampled draft has
+    q > 0; EAGLE-3's q is zero outside its draft vocabulary (t2d)."""
+    from specc.runtime.sampling import process_logits
+
+    k = 3
+    s = make_session(tiny_llama_dir, _spec(heads, method, k), max_num_seqs=3)
+    prop, target = s.proposer, s.target.model
+    settings = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.2, top_k=20), dict(temperature=0.0)]
+    checked = []
+
+    def propose(batch, max_drafts, uniforms):
+        p = EagleProposer.propose(prop, batch, max_drafts, uniforms)
+        assert p.draft_probs is not None
+        for b, r in enumerate(batch.requests):
+            if max_drafts[b] == 0 or bool(batch.is_greedy[b]):
+                continue
+            drafts = p.draft_token_ids[b].tolist()
+            logits = _reference_logits(target, prop.head, r.all_token_ids[: r.num_computed + 1], drafts)
+            rows = len(drafts)
+            q = torch.softmax(process_logits(logits, batch.temperature[b].repeat(rows), batch.top_k[b].repeat(rows),
+                                             batch.top_p[b].repeat(rows)), dim=-1)
+            assert torch.allclose(p.draft_probs[b], q, atol=1e-5)
+            assert bool((p.draft_probs[b][torch.arange(rows), p.draft_token_ids[b]] > 0).all())
+            if method == "eagle3":
+                assert float(p.draft_probs[b][:, ~prop.head.t2d].sum()) == 0.0
+            checked.append(r.request_id)
+        return p
+
+    params = [SamplingParams(**st, max_tokens=12, seed=5 + i) for i, st in enumerate(settings)]
+    with patched(prop, "propose", propose), torch.inference_mode():
+        s.generate(PROMPTS[:3], params)
+    assert len(set(checked)) == 2 and len(checked) >= 8

@@ -512,6 +512,12 @@ def test_example_early_exit():
     sc.check_against_target(30)  # SmolLM2-135M has 30 layers
 
 
+def test_example_eagle():
+    cfg = load_config(EXAMPLES / "smollm2-eagle.yaml")
+    sc = cfg.speculative_config
+    assert sc.method == "eagle" and sc.model.endswith("heads/smollm2-eagle") and cfg.enforce_eager
+
+
 def test_examples_load_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for p in sorted(EXAMPLES.glob("*.yaml")):

@@ -95,7 +95,6 @@ def load_eagle_head(
         head.embed_tokens = torch.nn.Embedding.from_pretrained(own_embed.to(**_like(target)), freeze=True)
     if kind == "eagle3":
         _check_vocab_maps(head, folder)
-    head.checkpoint_config = raw
     return head.eval().requires_grad_(False)
 
 

@@ -88,34 +88,43 @@ class EagleProposer(Proposer):
         self.done[dst] = self.done[src]
 
     # -- drafting ------------------------------------------------------------------------
+    def _catch_up_pairs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs each row has not run with true features: positions
+        ``min(done, n - 1) .. n - 1`` (at least one: its output gives draft 1), padded at
+        the trash position. Returns (tokens ``[B, W]``, positions ``[B, W]``, index of
+        each row's last real pair ``[B]``), on the head's device."""
+        B, dev = batch.size, self.features.device
+        n = [r.num_computed for r in batch.requests]
+        start = [min(self.done[b], n[b] - 1) for b in range(B)]
+        width = max(n[b] - start[b] for b in range(B))
+        ids = torch.zeros(B, width, dtype=torch.long)
+        pos = torch.full((B, width), self.cache.trash_pos, dtype=torch.long)
+        for b, r in enumerate(batch.requests):
+            ids[b, : n[b] - start[b]] = torch.tensor(r.all_token_ids[start[b] + 1 : n[b] + 1], dtype=torch.long)
+            pos[b, : n[b] - start[b]] = torch.arange(start[b], n[b])
+        last = torch.tensor([n[b] - start[b] - 1 for b in range(B)])
+        return ids.to(dev), pos.to(dev), last.to(dev)
+
     @torch.inference_mode()
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms: torch.Tensor) -> Proposal:
         B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
         trash, limit = self.cache.trash_pos, self.cache.max_model_len
-        n = [r.num_computed for r in batch.requests]
-        start = [min(self.done[b], n[b] - 1) for b in range(B)]  # >= 1 pair per row
-        width = max(n[b] - start[b] for b in range(B))
-        ids = torch.zeros(B, width, dtype=torch.long)
-        pos = torch.full((B, width), trash, dtype=torch.long)
-        for b, r in enumerate(batch.requests):
-            w = n[b] - start[b]
-            ids[b, :w] = torch.tensor(r.all_token_ids[start[b] + 1 : n[b] + 1], dtype=torch.long)
-            pos[b, :w] = torch.arange(start[b], n[b])
-        ids, pos = ids.to(dev), pos.to(dev)
+        temperature, top_k, top_p, greedy = (x.to(dev) for x in (batch.temperature, batch.top_k, batch.top_p,
+                                                                  batch.is_greedy))
+        uniforms = uniforms.to(dev)
+        ids, pos, last = self._catch_up_pairs(batch)
         rows = torch.arange(B, device=dev)
-        feats = self.features[rows[:, None], pos]                         # [B, width, H]
-        last = torch.tensor([n[b] - start[b] - 1 for b in range(B)], device=dev)
-        next_pos = torch.tensor(n, dtype=torch.long, device=dev)
+        feats = self.features[rows[:, None], pos]                         # [B, W, H]
+        next_pos = torch.tensor([r.num_computed for r in batch.requests], device=dev)
         cache = self.cache.rows(B)
 
         drafts, probs = [], []
         for step in range(k):
             kv_len = int(torch.where(pos == trash, 0, pos).max()) + 1
-            out = self.head(ids, feats, pos, cache, kv_len=kv_len)       # [B, T, H]
-            h = out[rows, last]                                           # [B, H]
+            h = self.head(ids, feats, pos, cache, kv_len=kv_len)[rows, last]  # [B, H]
             logits = self.head.compute_logits(h)                          # [B, V]
-            q = torch.softmax(process_logits(logits, batch.temperature, batch.top_k, batch.top_p), dim=-1)
-            tok = torch.where(batch.is_greedy.to(dev), logits.argmax(-1), sample_from_probs(q, uniforms[:, step].to(dev)))
+            q = torch.softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
+            tok = torch.where(greedy, logits.argmax(-1), sample_from_probs(q, uniforms[:, step]))
             drafts.append(tok)
             probs.append(q)
             # next pair: (this output, this draft) at the next position (trash past the limit)
@@ -123,8 +132,7 @@ class EagleProposer(Proposer):
             p = next_pos + step
             pos = torch.where(p < limit, p, torch.full_like(p, trash))[:, None]
             last = torch.zeros(B, dtype=torch.long, device=dev)
-        for b in range(B):
-            self.done[b] = n[b]
+        self.done[:B] = [r.num_computed for r in batch.requests]
         num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=k)
         any_sampled = not bool(batch.is_greedy.all())
         return Proposal(torch.stack(drafts, dim=1).cpu(), num,

@@ -24,7 +24,7 @@ from torch import nn
 
 from .kv_cache import KVCache
 
-__all__ = ["ModelConfig", "ModelOutput", "LlamaForCausalLM", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["ModelConfig", "ModelOutput", "LlamaForCausalLM", "SUPPORTED_MODEL_TYPES", "attention_inputs"]
 
 
 # --------------------------------------------------------------------------- config
@@ -279,16 +279,22 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that writes K/V into the cache, then reads it."""
+    """Grouped-query self-attention that writes K/V into the cache, then reads it.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``in_features``: width of the input ``x`` (default ``hidden_size``; EAGLE-3's draft
+    layer attends over ``[embedding; feature]``, ``2 * hidden_size``). The output is
+    always ``hidden_size`` wide.
+    """
+
+    def __init__(self, config: ModelConfig, in_features: int | None = None) -> None:
         super().__init__()
         h, kvh, d, hid = (config.num_attention_heads, config.num_key_value_heads,
                           config.head_dim, config.hidden_size)
+        inp = hid if in_features is None else in_features
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = nn.Linear(hid, h * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hid, kvh * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hid, kvh * d, bias=config.attention_bias)
+        self.q_proj = nn.Linear(inp, h * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(inp, kvh * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(inp, kvh * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, hid, bias=config.o_proj_bias)
 
     def forward(
@@ -343,6 +349,23 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_index,
                                k_cache, v_cache, mask, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_inputs(config: ModelConfig, positions: torch.Tensor, kv_len: int,
+                     attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every decoder layer of a forward over ``positions`` ``[B, T]`` int64 shares:
+
+    * ``write_index`` ``[B, KVH, T, D]`` int64, the positions broadcast for the K/V scatter;
+    * ``mask`` ``[B, 1, T, kv_len]`` bool, True = key visible: ``attn_mask[:, None]``
+      when given (``[B, T, kv_len]``), else causal by position (key ``j`` visible to a
+      query at position ``p`` iff ``j <= p``).
+    """
+    b, t = positions.shape
+    write_index = positions[:, None, :, None].expand(b, config.num_key_value_heads, t, config.head_dim)
+    if attn_mask is None:
+        key_pos = torch.arange(kv_len, device=positions.device)
+        attn_mask = key_pos[None, None, :] <= positions[:, :, None]        # [B, T, kv_len]
+    return write_index, attn_mask[:, None]
 
 
 class LlamaModel(nn.Module):
@@ -444,16 +467,10 @@ class LlamaForCausalLM(nn.Module):
         n_run = cfg.num_hidden_layers if num_layers is None else num_layers
         kv_len = kv_cache.max_len if kv_len is None else kv_len
         self._check_args(input_ids, positions, kv_cache, attn_mask, kv_len, n_run, hidden_layers)
-        b, t = input_ids.shape
 
         x = self.model.embed_tokens(input_ids)                              # [B, T, hidden]
         cos, sin = self.model.rotary_emb(positions, x.dtype)                # [B, T, D] each
-        write_index = positions[:, None, :, None].expand(
-            b, cfg.num_key_value_heads, t, cfg.head_dim)                    # [B, KVH, T, D]
-        if attn_mask is None:
-            key_pos = torch.arange(kv_len, device=positions.device)
-            attn_mask = key_pos[None, None, :] <= positions[:, :, None]    # [B, T, kv_len]
-        mask = attn_mask[:, None]                                           # [B, 1, T, kv_len]
+        write_index, mask = attention_inputs(cfg, positions, kv_len, attn_mask)
 
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:

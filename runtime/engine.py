@@ -9,7 +9,9 @@ One step for B live requests (request i in KV slot i):
    request is reproducible whatever it is batched with;
 2. the proposer drafts up to ``max_new_drafts`` tokens per row;
 3. the target verifies ``[last_token, d_1 .. d_n]`` in one forward (rows with fewer drafts
-   are padded at the cache's trash position);
+   are padded at the cache's trash position); a proposer that lists ``hidden_layers``
+   (EAGLE) receives those hidden states of every target forward, prompt chunks included
+   (``Proposer.on_target_hidden_states``);
 4. :func:`specc.kernels.rejection_sampler.rejection_sample` accepts a prefix and adds one
    recovered or bonus token, on the device, as tensor code;
 5. only the accepted counts and tokens come back to the host, which applies stop checks,
@@ -126,8 +128,18 @@ class Engine:
         for start in range(0, len(ids), PREFILL_CHUNK):
             piece = torch.tensor([ids[start : start + PREFILL_CHUNK]], dtype=torch.long)
             pos = torch.arange(start, start + piece.shape[1], dtype=torch.long)[None]
-            out = self.model(piece, pos, cache, kv_len=start + piece.shape[1])
-        return out.logits[:, -1]
+            logits = self._target(piece, pos, cache, start + piece.shape[1], slot)
+        return logits[:, -1]
+
+    def _target(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, kv_len: int, slot0: int) -> torch.Tensor:
+        """One target forward over ``cache`` (slots ``slot0 ..``); returns logits
+        ``[B, T, V]`` and hands the proposer the hidden states it lists, if any."""
+        layers = self.proposer.hidden_layers if self.proposer is not None else ()
+        out = self.model(ids, pos, cache, kv_len=kv_len, hidden_layers=layers)
+        if layers:
+            hidden = torch.stack([out.hidden_states[i] for i in layers], dim=2)  # [B, T, n, H]
+            self.proposer.on_target_hidden_states(slot0, pos, hidden)
+        return out.logits
 
     def _step(self, running: list[Request]) -> None:
         B, k = len(running), self.k
@@ -183,7 +195,7 @@ class Engine:
         pos = torch.where(offs[None] <= nd[:, None], pos, torch.full_like(pos, self.cache.trash_pos))
         kv_len = int((start + nd).max()) + 1
         with stage(f"specc.verify[{K + 1}]"):
-            logits = self.model(ids, pos, self.cache.rows(B), kv_len=kv_len).logits  # [B, K+1, V]
+            logits = self._target(ids, pos, self.cache.rows(B), kv_len, 0)  # [B, K+1, V]
 
         with stage("specc.accept"):
             V = logits.shape[-1]

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     g.set_defaults(func=_generate)
     _add_perf_commands(sub)
+    _add_extract_command(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -271,6 +272,54 @@ def _profile(args) -> int:
     session, ds, max_tokens = _load_bench_inputs(args)
     summary = run_profile(session, ds, max_tokens=max_tokens, out_dir=args.out, num_traced=args.traced_prompts)
     print(format_profile(summary))
+    return 0
+
+
+# -- specc extract: hidden states for training drafters (docs/speculative.md) -----------------
+def _add_extract_command(sub) -> None:
+    e = sub.add_parser(
+        "extract", help="save target hidden states of chosen layers for prompts + greedy outputs (EAGLE data)",
+        description="Runs the target (eager, greedy, no drafter) on each prompt, then records the hidden states "
+        "of --layers for prompt + output tokens into safetensors shards in DIR (written atomically) with an "
+        "index.json. See docs/speculative.md, 'specc extract'.",
+    )
+    e.add_argument("config", help="model.yaml (its target is used; speculative_config is ignored)")
+    e.add_argument("--prompts", required=True, metavar="FILE.jsonl",
+                   help='JSON lines with a "prompt" string or a "turns" list (first turn used)')
+    e.add_argument("--layers", required=True, type=_int_list, metavar="2,15,27",
+                   help="hidden-state indices: 0 = embeddings, i = output of decoder layer i-1 (before the final norm)")
+    e.add_argument("--out", required=True, metavar="DIR", help="output folder (an earlier extract is replaced)")
+    e.add_argument("--max-tokens", type=int, metavar="N",
+                   help="new tokens per prompt (default: the config's sampling.max_tokens; 0 = prompts only)")
+    e.add_argument("--num-prompts", type=int, metavar="N", help="only the first N prompts (round-robin over categories)")
+    e.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help='apply the chat template (default: yes, unless a line says "chat": false)')
+    e.add_argument("--tokens-per-shard", type=int, default=8192, metavar="N", help="tokens per shard file (default: %(default)s)")
+    e.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    e.set_defaults(func=_extract)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 2,15,27") from None
+
+
+def _extract(args) -> int:
+    from specc.datasets import read_jsonl, select
+    from specc.extract import extract_hidden_states
+
+    prompts = select(read_jsonl(args.prompts), None, args.num_prompts)
+    if args.chat is not None:
+        for p in prompts:
+            p.chat = args.chat
+    _set_threads(args.threads)
+    out = extract_hidden_states(args.config, prompts, args.layers, args.out, max_tokens=args.max_tokens,
+                                tokens_per_shard=args.tokens_per_shard)
+    index = json.loads((out / "index.json").read_text())
+    print(f"specc: wrote {out}: {index['num_sequences']} sequences, {index['num_tokens']} tokens, "
+          f"layers {index['layers']}, {len(index['shards'])} shard(s)")
     return 0
 
 

@@ -99,7 +99,11 @@ _METHOD_FIELDS: dict[str, frozenset[str]] = {
         "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
     }),
+    "eagle": frozenset({"model"}),
+    "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids"}),
 }
+# methods whose `model` is a head folder (config.json + model.safetensors), required
+_HEAD_METHODS = {"eagle": "an EAGLE head", "eagle3": "an EAGLE-3 head"}
 SPECULATIVE_METHODS: tuple[str, ...] = tuple(_METHOD_FIELDS)
 SpeculativeMethod = Literal[SPECULATIVE_METHODS]  # type: ignore[valid-type]
 
@@ -128,6 +132,9 @@ class SpeculativeConfig(BaseModel):
     * ``suffix``: SuffixDecoding (per-request and global suffix trees); the
       ``suffix_decoding_*`` fields take vLLM's defaults (:data:`SUFFIX_DEFAULTS`) when
       omitted.
+    * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
+      ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
+      layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -142,6 +149,20 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: Int | None = Field(default=None, ge=0)
     suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    eagle_aux_hidden_state_layer_ids: list[Int] | None = None
+
+    @field_validator("eagle_aux_hidden_state_layer_ids")
+    @classmethod
+    def _layer_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must list at least one target layer id (HF numbering: 0 = embeddings)")
+        if any(i < 0 for i in v):
+            raise ValueError("layer ids must be >= 0 (0 = embeddings, j = output of decoder layer j-1)")
+        if len(set(v)) != len(v):
+            raise ValueError("layer ids must be distinct")
+        return v
 
     @field_validator("model")
     @classmethod
@@ -183,6 +204,12 @@ class SpeculativeConfig(BaseModel):
             for name, default in SUFFIX_DEFAULTS.items():
                 if getattr(self, name) is None:
                     setattr(self, name, default)
+        elif self.method in _HEAD_METHODS and self.model is None:
+            raise _FieldError(
+                "model",
+                f"method '{self.method}' needs 'model': the folder of {_HEAD_METHODS[self.method]} "
+                "(config.json + model.safetensors)",
+            )
         elif self.method == "draft_model":
             if (self.model is None) == (self.num_draft_layers is None):
                 both = self.model is not None

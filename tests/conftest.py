@@ -11,6 +11,9 @@
   with a real tokenizer. The weights are scaled so that logits spread widely (std ~4,
   greedy top-2 gaps ~1): greedy ties, which would make equality tests flaky, are
   unlikely. Qwen2 has random q/k/v biases and tied embeddings; Llama has an untied ``lm_head``.
+* ``tiny_eagle_heads``: ``{"eagle": dir, "eagle3": dir}``, random-weight EAGLE / EAGLE-3
+  heads for the tiny Llama in the published checkpoint layouts (``eagle_checkpoints.py``);
+  the EAGLE-3 head fuses target layers 0, 1, 2 (its config.json says so).
 
 Plain helpers (session builders, greedy params, oracle truth tables, ...) live in
 ``helpers.py``, the test drafters in ``spec_drafters.py``.
@@ -62,6 +65,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_model("qwen2", smollm2_tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_heads(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
+    from transformers import AutoConfig
+
+    from eagle_checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
+    from specc.models.llama import ModelConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_llama_dir))
+    root = tmp_path_factory.mktemp("tiny_eagle_heads")
+    return {"eagle": write_eagle_checkpoint(root / "eagle", config),
+            "eagle3": write_eagle3_checkpoint(root / "eagle3", config, layer_ids=[0, 1, 2])}
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,8 @@ def drafter_spec(method: str, k: int, model_dir=None, **overrides) -> dict:
     * ``"draft_model"``: the model in ``model_dir`` drafts (own KV cache);
     * ``"early_exit"``: the target's first layer drafts (shared cache);
     * ``"suffix"``: suffix decoding with vLLM's defaults (global tree on; pass
-      ``suffix_decoding_max_cached_requests=0`` for drafts that depend on the request only).
+      ``suffix_decoding_max_cached_requests=0`` for drafts that depend on the request only);
+    * ``"eagle"`` / ``"eagle3"``: the head in ``model_dir`` (e.g. ``tiny_eagle_heads[method]``).
 
     ``overrides`` replace or add fields (e.g. ``num_draft_layers=8``)."""
     if method == "ngram":
@@ -88,6 +89,9 @@ def drafter_spec(method: str, k: int, model_dir=None, **overrides) -> dict:
     elif method == "draft_model":
         assert model_dir is not None, "draft_model needs the drafter's model_dir"
         spec = dict(method="draft_model", num_speculative_tokens=k, model=str(model_dir))
+    elif method in ("eagle", "eagle3"):
+        assert model_dir is not None, f"{method} needs the head's folder as model_dir"
+        spec = dict(method=method, num_speculative_tokens=k, model=str(model_dir))
     elif method == "early_exit":
         spec = dict(method="draft_model", num_speculative_tokens=k, num_draft_layers=1)
     elif method == "suffix":

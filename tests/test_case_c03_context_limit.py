@@ -9,7 +9,9 @@ is either < max_model_len or the cache's trash position (padding), every ``kv_le
 row is a contiguous run of real positions followed only by padding.
 
 Prompts are prefixes of the tiny model's own greedy trajectory from a looping seed, so
-greedy continues them exactly and n-gram lookup hits up to the limit.
+greedy continues them exactly and n-gram lookup hits up to the limit. EAGLE / EAGLE-3
+(random heads) also check the head's forwards: its draft steps run past the last
+verified position and must switch to the trash position at the limit.
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ L = 64  # max_model_len
 K = 5
 MAX_TOKENS = 100  # more than fits: the context limit ends every request
 LENGTHS = list(range(58, 64))
-METHODS = ["ngram", "draft_model", "early_exit", "suffix", "cap_ignoring"]
+METHODS = ["ngram", "draft_model", "early_exit", "suffix", "cap_ignoring", "eagle", "eagle3"]
 
 
 class ForwardLog:
-    """Forward pre-hook recording ``(positions, kv_len, num_layers)`` of every call."""
+    """Forward pre-hook recording ``(positions, kv_len, num_layers)`` of every call;
+    ``pos_arg``: the index of ``positions`` among the positional arguments (1 for a
+    causal LM, 2 for an EAGLE head: ``(input_ids, features, positions, ...)``)."""
 
-    def __init__(self):
+    def __init__(self, pos_arg: int = 1):
+        self.pos_arg = pos_arg
         self.calls: list[tuple[torch.Tensor, int | None, int | None]] = []
 
     def __call__(self, module, args, kwargs):
-        positions = args[1] if len(args) > 1 else kwargs["positions"]
+        positions = args[self.pos_arg] if len(args) > self.pos_arg else kwargs["positions"]
         self.calls.append((positions.clone(), kwargs.get("kv_len"), kwargs.get("num_layers")))
 
 
@@ -62,20 +67,23 @@ def truth(trajectories) -> dict[tuple[int, ...], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def sessions(tiny_llama_dir, truth) -> dict[str, tuple[Session, list[ForwardLog]]]:
+def sessions(tiny_llama_dir, truth, tiny_eagle_heads) -> dict[str, tuple[Session, list[ForwardLog]]]:
     out = {}
     for name in METHODS:
         if name == "cap_ignoring":
             s = make_session(tiny_llama_dir, proposer=CapIgnoringOracle(K, truth), max_model_len=L)
         else:
-            s = make_session(tiny_llama_dir, drafter_spec(name, K, tiny_llama_dir), max_model_len=L)
-        models = [s.target.model]
+            model_dir = tiny_eagle_heads.get(name, tiny_llama_dir)
+            s = make_session(tiny_llama_dir, drafter_spec(name, K, model_dir), max_model_len=L)
+        models = [(s.target.model, 1)]
         drafter = getattr(s.proposer, "model", None)
         if drafter is not None and drafter is not s.target.model:
-            models.append(drafter)
+            models.append((drafter, 1))
+        if getattr(s.proposer, "head", None) is not None:  # EAGLE: the head's own forwards
+            models.append((s.proposer.head, 2))
         logs = []
-        for mdl in models:
-            log = ForwardLog()
+        for mdl, pos_arg in models:
+            log = ForwardLog(pos_arg)
             mdl.register_forward_pre_hook(log, with_kwargs=True)
             logs.append(log)
         out[name] = (s, logs)

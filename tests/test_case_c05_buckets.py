@@ -4,7 +4,7 @@ Config buckets {1, 2, 4, 8}, max_num_seqs 8; live batch sizes 3, 5, 6, 7 with mi
 prompt lengths (1..90 tokens); every request has its own max_tokens, so requests finish
 at different steps and the live batch shrinks across bucket boundaries (7 -> ... -> 1).
 
-Checked, for the n-gram, early-exit and draft-model drafters:
+Checked, for the n-gram, early-exit, draft-model, EAGLE and EAGLE-3 drafters:
 
 * no crash, no NaN (every forward's logits are finite, padded rows included);
 * padded rows change no real sequence length, KV entry or counter: the KV shadow
@@ -31,7 +31,7 @@ K = 4
 BUCKETS = [1, 2, 4, 8]
 MAX_MODEL_LEN = 160
 
-METHODS = ["ngram", "early_exit", "draft_model", "suffix"]  # draft_model: drafter == target
+METHODS = ["ngram", "early_exit", "draft_model", "suffix", "eagle", "eagle3"]  # draft_model: drafter == target
 # suffix: per-request trees only, so a request drafts the same alone and in a batch (the
 # global tree would carry the earlier runs' outputs into later drafts)
 OVERRIDES = {"suffix": dict(suffix_decoding_max_cached_requests=0)}
@@ -67,8 +67,9 @@ def base_outputs(tiny_llama_dir, pool):
 
 
 @pytest.fixture(scope="module", params=METHODS)
-def spec_session(request, tiny_llama_dir, pool):
-    session = _session(tiny_llama_dir, drafter_spec(request.param, K, tiny_llama_dir,
+def spec_session(request, tiny_llama_dir, pool, tiny_eagle_heads):
+    model_dir = tiny_eagle_heads.get(request.param, tiny_llama_dir)  # EAGLE: random heads
+    session = _session(tiny_llama_dir, drafter_spec(request.param, K, model_dir,
                                                     **OVERRIDES.get(request.param, {})))
     # each request alone, with speculation: the reference for its counters
     alone = [session.generate([p], _greedy(m))[0] for p, m in pool]

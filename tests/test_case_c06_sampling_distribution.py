@@ -2,7 +2,8 @@
 
 The kernel-level statistical tests live in ``test_rejection_sampler.py``; this file proves
 that the *runtime path* is lossless: per-request uniforms, the drafters' processed
-probabilities q (draft model, early exit), the n-gram and suffix drafters' one-hot q
+probabilities q (draft model, early exit, EAGLE heads; EAGLE-3's q over its reduced draft
+vocabulary, mapped to target ids), the n-gram and suffix drafters' one-hot q
 (suffix with its global tree on: drafts from other requests' sampled outputs), padded
 verify batches and the engine's bookkeeping.
 
@@ -54,7 +55,7 @@ SETTINGS = {
     "top_k2": dict(top_k=2),
     "t1.3": dict(temperature=1.3),
 }
-METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix"]
+METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix", "eagle", "eagle3"]
 
 
 def _build_toy(out_dir: Path, tokenizer, seed: int) -> Path:
@@ -76,15 +77,32 @@ def reference_model(toy_dirs):
     return LlamaForCausalLM.from_pretrained(toy_dirs[0], torch_dtype=torch.float32).eval()
 
 
-def _spec_config(method: str, dirs: tuple[Path, Path]) -> dict:
+@pytest.fixture(scope="module")
+def toy_heads(tmp_path_factory, toy_dirs) -> dict[str, Path]:
+    """Random EAGLE and EAGLE-3 heads for the toy target; the EAGLE-3 head's draft
+    vocabulary holds 32 of the 64 tokens (q is zero on the others)."""
+    from transformers import AutoConfig
+
+    from eagle_checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
+    from specc.models.llama import ModelConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(toy_dirs[0]))
+    root = tmp_path_factory.mktemp("c6_heads")
+    return {"eagle": write_eagle_checkpoint(root / "eagle", config, std=0.3),
+            "eagle3": write_eagle3_checkpoint(root / "eagle3", config, draft_vocab_size=32, layer_ids=[0, 1, 2])}
+
+
+def _spec_config(method: str, dirs: tuple[Path, Path], heads: dict[str, Path]) -> dict:
     target, other = dirs
+    if method in heads:
+        return drafter_spec(method, K, heads[method])
     if method == "draft_equals_target":
         return drafter_spec("draft_model", K, target)
     return drafter_spec(method, K, other)  # draft_model: the other toy drafts
 
 
-def _session(method: str, dirs) -> Session:
-    return make_session(dirs[0], _spec_config(method, dirs), max_model_len=128, max_num_seqs=N)
+def _session(method: str, dirs, heads) -> Session:
+    return make_session(dirs[0], _spec_config(method, dirs, heads), max_model_len=128, max_num_seqs=N)
 
 
 def _sample(session: Session, prompt: list[int], setting: dict, seed0: int, use_speculation=True):
@@ -194,12 +212,12 @@ def prompt(sessions) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def sessions(toy_dirs):
+def sessions(toy_dirs, toy_heads):
     cache: dict[str, Session] = {}
 
     def get(method: str) -> Session:
         if method not in cache:
-            cache[method] = _session(method, toy_dirs)
+            cache[method] = _session(method, toy_dirs, toy_heads)
         return cache[method]
 
     return get

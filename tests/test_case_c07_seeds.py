@@ -11,8 +11,10 @@ pattern per step (2k+1 per step, whatever its draft count or the batch's), so it
 random stream never depends on its neighbours. Drawing per batch, per draft actually
 made, or per step of the batch would make the output depend on what it is batched with.
 
-Drafters: n-gram (one-hot q), a draft model (== target: sampled drafts, real q) and
-early exit (the target's first layer: partial acceptance, so the number of steps varies).
+Drafters: n-gram (one-hot q), a draft model (== target: sampled drafts, real q), early
+exit (the target's first layer: partial acceptance, so the number of steps varies) and
+random EAGLE / EAGLE-3 heads (sampled drafts from the head's q; EAGLE-3's over its draft
+vocabulary).
 
 Known limit (see the xfail diagnostic at the end): the random stream is batch-invariant,
 the eager numerics are not quite (~1e-5 on the logits), so over a flat 49k-token
@@ -51,11 +53,12 @@ def _unseeded(i: int) -> SamplingParams:
 OVERRIDES = {"suffix": dict(suffix_decoding_max_cached_requests=0)}
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "suffix"])
-def test_seeded_request_identical_alone_and_batched(method, tiny_llama_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "suffix", "eagle", "eagle3"])
+def test_seeded_request_identical_alone_and_batched(method, tiny_llama_dir, tiny_eagle_heads):
     results = []
+    model_dir = tiny_eagle_heads.get(method, tiny_llama_dir)  # EAGLE: random heads, sampled drafts
     for max_num_seqs in (4, 2):  # 2: requests wait for a slot and join mid-generation
-        s = make_session(tiny_llama_dir, drafter_spec(method, K, tiny_llama_dir, **OVERRIDES.get(method, {})),
+        s = make_session(tiny_llama_dir, drafter_spec(method, K, model_dir, **OVERRIDES.get(method, {})),
                          max_num_seqs=max_num_seqs)
         if max_num_seqs == 4:
             for _ in range(5):  # alone

@@ -203,7 +203,7 @@ def test_sampling_bad(field, value, needle):
 
 
 def test_methods_registry():
-    assert set(SPECULATIVE_METHODS) == {"ngram", "draft_model", "suffix"}
+    assert set(SPECULATIVE_METHODS) == {"ngram", "draft_model", "suffix", "eagle", "eagle3"}
 
 
 def test_ngram_defaults_follow_vllm():
@@ -308,8 +308,8 @@ def test_check_against_target():
 
 
 def test_bad_method_lists_allowed_methods():
-    msg = err(spec(method="eagle"))
-    assert "speculative_config.method = 'eagle'" in msg
+    msg = err(spec(method="medusa"))
+    assert "speculative_config.method = 'medusa'" in msg
     for m in SPECULATIVE_METHODS:
         assert f"'{m}'" in msg
 
@@ -510,6 +510,12 @@ def test_example_early_exit():
     sc = load_config(EXAMPLES / "smollm2-early-exit.yaml").speculative_config
     assert sc.method == "draft_model" and sc.is_early_exit and sc.model is None
     sc.check_against_target(30)  # SmolLM2-135M has 30 layers
+
+
+def test_example_eagle():
+    cfg = load_config(EXAMPLES / "smollm2-eagle.yaml")
+    sc = cfg.speculative_config
+    assert sc.method == "eagle" and sc.model.endswith("heads/smollm2-eagle") and cfg.enforce_eager
 
 
 def test_examples_load_from_any_cwd(tmp_path, monkeypatch):

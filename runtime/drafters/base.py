@@ -52,10 +52,29 @@ class Proposer(ABC):
     ``prefill`` once at admission, then each step ``propose`` → target verify →
     ``on_verified``; ``move_slot`` when a request changes KV slot; ``finish`` once when
     the request is done.
+
+    A proposer that drafts from the target's hidden states (EAGLE) lists them in
+    ``hidden_layers`` (HF numbering: 0 = embeddings, i = output of decoder layer i-1,
+    before the final norm); the eager engine then hands them over after every target
+    forward (prompt chunks and verify passes) through ``on_target_hidden_states``, before
+    ``prefill`` / ``on_verified``. Empty (the default): the engine asks for none.
     """
+
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
+
+    def on_target_hidden_states(self, slot0: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The target's hidden states of one forward over slots ``slot0 .. slot0 + B - 1``.
+
+        Args:
+            positions: ``[B, T]`` int64, the position of each input token (padding at the
+                cache's trash position; positions of drafts that end up rejected are
+                included: they lie at or beyond the request's ``num_computed`` afterwards).
+            hidden: ``[B, T, len(hidden_layers), hidden_size]`` in the model dtype, in the
+                order of ``hidden_layers``.
+        """
 
     def prefill(self, request: Request, slot: int) -> None:
         """Prepare per-request state after the target's prefill (default: nothing)."""

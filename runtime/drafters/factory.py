@@ -14,6 +14,8 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
     Raises:
         ConfigError: the drafter does not fit the target (too many early-exit layers, a
             draft model whose tokenizer differs from the target's).
+        FileNotFoundError, ValueError: a drafter or EAGLE head that cannot load (the
+            session reports them against ``speculative_config.model``).
     """
     spec = config.speculative_config
     if spec is None:
@@ -47,6 +49,13 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
             target_cache.max_model_len, c.head_dim, config.torch_dtype, config.device,
         )
         return DraftModelProposer(drafter.model, k, cache, target.config.vocab_size)
+    if spec.method in ("eagle", "eagle3"):
+        from specc.models.eagle_checkpoint import load_eagle_head
+        from specc.runtime.drafters.eagle import EagleProposer
+
+        head = load_eagle_head(spec.model, target.model, method=spec.method,
+                               layer_ids=spec.eagle_aux_hidden_state_layer_ids)
+        return EagleProposer(head, k, target_cache.num_slots, target_cache.max_model_len)
     raise ConfigError(f"speculative_config.method = {spec.method!r} is not implemented yet")
 
 

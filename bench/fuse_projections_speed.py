@@ -6,8 +6,9 @@ Variants (``--variants``, default all): ``baseline`` (no pass), ``fused``
 ``shared="embedding"``: the tied embedding / lm_head tensor is stored once, transposed),
 ``pretranspose_copy`` (``shared="copy"``: lm_head gets a transposed copy, the embedding
 keeps the original), ``pretranspose_skip`` (``shared="skip"``: the tied tensor is left
-untransposed, lm_head stays an NT GEMM) and ``pretranspose+fused`` (fuse, then
-pretranspose).
+untransposed, lm_head stays an NT GEMM), ``pretranspose+fused`` (fuse, then
+pretranspose) and ``small_m+fused`` (fuse, then
+:func:`~specc.passes.small_m_linear.small_m_linears`).
 
 On the real SmolLM2-135M (fp32, 30 layers, tied embeddings), batch ``--batch`` (default
 1), a KV cache of max_model_len 1024, ONE torch thread: for each T in ``--tokens``
@@ -45,7 +46,7 @@ from specc.models.kv_cache import KVCache
 from specc.models.loader import load_model
 from specc.passes.fuse_projections import fuse_projections
 from specc.passes.pretranspose_weights import pretranspose_weights
-from specc.compiler import min_kv_len
+from specc.passes.small_m_linear import small_m_linears
 from specc.passes.signature import export_flat
 from specc.runtime.programs import VerifyProgram, flat_kv
 
@@ -59,6 +60,11 @@ def _fuse_then_pretranspose(gm) -> str:
     return f"{groups} groups fused, {pretranspose_weights(gm)} linears pretransposed"
 
 
+def _fuse_then_small_m(gm) -> str:
+    groups = fuse_projections(gm)
+    return f"{groups} groups fused, {small_m_linears(gm)} linears as row reductions"
+
+
 VARIANTS = {
     "baseline": lambda gm: "untouched",
     "fused": lambda gm: f"{fuse_projections(gm)} groups fused",
@@ -66,6 +72,7 @@ VARIANTS = {
     "pretranspose_copy": _pretranspose("copy"),
     "pretranspose_skip": _pretranspose("skip"),
     "pretranspose+fused": _fuse_then_pretranspose,
+    "small_m+fused": _fuse_then_small_m,
 }
 
 
@@ -79,7 +86,7 @@ def compile_variant(model, cfg, max_model_len: int, b: int, T: int, variant: str
     pos = (torch.arange(T) + 100)[None].repeat(b, 1)
     if kv_len:
         keys = torch.arange(kv_len)
-        dim = torch.export.Dim("kv_len", min=min_kv_len(max_model_len), max=max_model_len)
+        dim = torch.export.Dim("kv_len", min=2, max=max_model_len)
         no_kv = (None,) * len(kv)
         gm = export_flat(VerifyProgram(model, max_model_len), (ids, pos, kv, keys),
                          (None, None, no_kv, {0: dim}))

@@ -114,7 +114,8 @@ class CompiledEngine(Engine):
         programs: the loaded :class:`ProgramSet`.
         kv_cache: the session's cache (``num_slots`` = max_num_seqs).
         detokenize, proposer: as :class:`Engine`; a proposer's ``num_speculative_tokens``
-            must equal the programs' k (None for non-speculative decoding).
+            must equal the programs' k (None for non-speculative decoding), and it may not
+            ask for target hidden states (``hidden_layers``: EAGLE runs eagerly).
         max_num_seqs: most requests running at once; the cache needs
             :func:`cache_slots` slots for them (padded rows write into real slots).
     """
@@ -128,6 +129,10 @@ class CompiledEngine(Engine):
         if proposer is not None and proposer.num_speculative_tokens != programs.k:
             raise ValueError(f"proposer drafts {proposer.num_speculative_tokens} tokens, the programs verify "
                              f"{programs.k}")
+        if proposer is not None and proposer.hidden_layers:
+            raise ValueError(f"{type(proposer).__name__} drafts from target hidden states "
+                             f"(layers {list(proposer.hidden_layers)}); compiled programs do not return "
+                             "them: run it with enforce_eager: true")
         self.programs = programs
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._key_cache: dict[int, torch.Tensor] = {}

@@ -51,6 +51,9 @@ KV_LEN_ALIGN = 32
 #: drafters only: their draft tokens are inputs of ``spec_step``, so one program serves
 #: every such method (the artifact still records the method it was built for).
 COMPILED_METHODS = (None, "ngram", "suffix")
+#: Choices of :func:`apply_linear_passes` and the one ``specc compile`` uses.
+LINEAR_PASSES = ("pretranspose", "small_m", "none")
+DEFAULT_LINEAR_PASSES = "pretranspose"
 
 
 def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
@@ -150,7 +153,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
     return write_artifact(out_dir, build)
 
 
-def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
+def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passes: str = DEFAULT_LINEAR_PASSES):
     """The transformed flat graph of one program, its example inputs (flat tuple) and
     their ``dynamic_shapes`` (``key_positions``' length, kv_len, is the one symbolic size).
 
@@ -160,8 +163,6 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
     from specc.models.kv_cache import KVCache
     from specc.passes.accept_reject import fuse_accept_reject
     from specc.passes.bucket_padding import pad_rows
-    from specc.passes.fuse_projections import fuse_projections
-    from specc.passes.pretranspose_weights import pretranspose_weights
     from specc.passes.signature import export_flat, placeholders
     from specc.runtime.programs import PrefillProgram, VerifyProgram, flat_kv
 
@@ -179,10 +180,10 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
             last = torch.tensor([ids.shape[1] - 1], device=dev)
             dyn = ({1: chunk}, {1: chunk}, None, no_kv, {0: kv_dim})
             gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv, keys), dyn)
-            _fuse_linears(gm, fuse_projections, pretranspose_weights)
+            apply_linear_passes(gm, linear_passes)
             return gm, (ids, pos, last, *kv, keys), (*dyn[:3], *no_kv, {0: kv_dim})
         gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
-        _fuse_linears(gm, fuse_projections, pretranspose_weights)
+        apply_linear_passes(gm, linear_passes)
         k = t - 1
         gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS)
         gm = pad_rows(gm, trash_pos=S)
@@ -193,18 +194,39 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any]):
     return gm, args, (None, None, *no_kv, {0: kv_dim}, *[None] * len(rest))
 
 
-def _fuse_linears(gm, fuse_projections, pretranspose_weights) -> None:
-    """The linear-layer passes, the same in every program (their constants are shared by
-    name, so a per-program choice would store the weights twice): q/k/v and gate/up into
-    one GEMM each, then every weight stored transposed ([in, out]) so each projection is
-    an NN GEMM. SmolLM2-135M, AOTInductor, one thread, kv_len 128, speed-up over neither
-    pass (bench/fuse_projections_speed.py): b=1 T=1 1.14x (pre-transpose alone 1.11x);
-    b=1 T=5 1.05x (alone 1.08x); b=2 T=5 1.18-1.22x (alone 1.28x); b=2 T=1 0.87x (alone
-    0.85x: MKL's NT kernel for 2-3 rows is faster). Both are kept because the
-    non-speculative step (T=1) is most steps even with n-gram drafting; fusion alone is
-    0.97x / 0.94x. See the passes' docstrings."""
+def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
+    """The linear-layer passes, the same in every program of an artifact (their constants
+    are shared by name, so a per-program choice would store weights twice).
+
+    * ``"pretranspose"`` (default): q/k/v and gate/up fused into one projection each
+      (:mod:`~specc.passes.fuse_projections`), then every weight stored transposed
+      (:mod:`~specc.passes.pretranspose_weights`) so each projection is an MKL NN GEMM.
+      SmolLM2-135M, AOTInductor, one thread, kv_len 128, speed-up over no pass
+      (bench/fuse_projections_speed.py): b=1 T=1 1.13-1.17x, b=1 T=5 1.02-1.08x, b=2 T=5
+      1.18-1.22x, b=2 T=1 0.87x (MKL's NT kernel is faster for 2-3 rows).
+    * ``"small_m"``: fusion, then linears over at most 8 static rows as fused row
+      reductions (:mod:`~specc.passes.small_m_linear`). Faster than MKL in isolation for
+      the layers' shapes, but slower in the whole program (b=1 T=1 0.88x, T=5 1.02x of no
+      pass) and on the 49152-row lm_head (15 vs 8 ms): not the default; kept for the
+      benchmarks (docs/compile.md, "Verify cost").
+    * ``"none"``: the exported graph as is.
+
+    Raises:
+        ValueError: unknown ``which``.
+    """
+    from specc.passes.fuse_projections import fuse_projections
+    from specc.passes.pretranspose_weights import pretranspose_weights
+    from specc.passes.small_m_linear import small_m_linears
+
+    if which not in LINEAR_PASSES:
+        raise ValueError(f"linear passes {which!r}: expected one of {', '.join(LINEAR_PASSES)}")
+    if which == "none":
+        return
     fuse_projections(gm)
-    pretranspose_weights(gm)
+    if which == "small_m":
+        small_m_linears(gm)
+    else:
+        pretranspose_weights(gm)
 
 
 def prefill_chunk(max_model_len: int) -> int:

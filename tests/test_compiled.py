@@ -142,6 +142,19 @@ def test_suffix_drafter_on_the_same_programs(artifact, pool, reference):
     assert s.proposer.num_live == 0 and len(s.proposer.global_tree) == len(pool)
 
 
+def test_hidden_state_drafter_refused(compiled):
+    """A proposer that needs target hidden states (EAGLE) cannot run on programs that do
+    not return them: refused when the engine is built, not silently starved."""
+    from specc.runtime.drafters.ngram import NgramDrafter
+
+    class WantsHidden(NgramDrafter):
+        hidden_layers = (1,)
+
+    cache = compiled._allocate_cache(cache_slots(2, BUCKETS), None)
+    with pytest.raises(ValueError, match="hidden states.*enforce_eager"):
+        CompiledEngine(compiled.programs, cache, compiled._detokenize, WantsHidden(K, 1, 4), 2)
+
+
 def test_non_speculative_programs_equal_eager(compiled, pool, reference):
     outs = compiled.generate([p for p, _ in pool], [_params(m) for _, m in pool], use_speculation=False)
     _assert_same(outs, reference)

@@ -1,0 +1,114 @@
+"""Few-row GEMM kernels on CPU: what a (k+1)-row verify pays per weight byte.
+
+The projections of a Llama-family model (default: SmolLM2-135M's 30 layers of q/k/v
+fused 576->960, o 576->576, gate/up fused 576->3072, down 1536->576, random fp32
+weights, ~425 MB, so every call streams them from memory) run for M rows with each
+variant, timed interleaved (best of ``--repeats`` rounds, ms), and the ratio to the
+variant's own M=1 time:
+
+* ``nt``: ``F.linear`` (MKL sgemm, weight [N, K], B transposed) — eager specc;
+* ``nn``: ``x @ W.t().contiguous()`` (MKL sgemm, row-major B) — what
+  ``passes/pretranspose_weights.py`` gives compiled programs;
+* ``mkl_packed``: ``torch.ops.mkl._mkl_linear`` on weights packed for M rows
+  (``_mkl_reorder_linear_weight``), what Inductor's freezing uses for fp32;
+* ``reduction``: the rows as fused Inductor reductions (``torch.compile`` of the
+  formulation ``passes/small_m_linear.py`` writes);
+* ``cpp_template``: ``torch.compile`` with ``freezing`` + ``max_autotune`` and the CPP
+  GEMM template (Inductor's own AVX-512 micro-kernels over packed weights; one
+  autotuned compile per M, ~1 min each).
+
+Usage: python bench/small_m_gemm.py [--rows 1 2 3 5 8 16] [--variants nt nn ...] [--threads 1]
+Results and conclusions: docs/compile.md, "Verify cost".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) per projection
+VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template")
+
+
+def _rows_reduction(x, weights):
+    return [torch.stack([(x[j % len(x)][m, None, :] * w).sum(-1) for m in range(x[0].shape[0])])
+            for j, w in enumerate(weights)]
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        self.ls = torch.nn.ModuleList()
+        for w in weights:
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight.data = w
+            self.ls.append(lin)
+
+    def forward(self, xs):
+        return [lin(xs[j % len(xs)]) for j, lin in enumerate(self.ls)]
+
+
+def build(variant: str, weights, m: int):
+    """A function of the per-shape inputs running every projection once."""
+    if variant == "nt":
+        return lambda xs: [F.linear(xs[j % 4], w) for j, w in enumerate(weights)]
+    if variant == "nn":
+        wts = [w.t().contiguous() for w in weights]
+        return lambda xs: [xs[j % 4] @ w for j, w in enumerate(wts)]
+    if variant == "mkl_packed":
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
+        return lambda xs: [torch.ops.mkl._mkl_linear(xs[j % 4], p, w, None, m)
+                           for j, (p, w) in enumerate(zip(packed, weights))]
+    if variant == "reduction":
+        return torch.compile(lambda xs: _rows_reduction(xs, weights), dynamic=False)
+    if variant == "cpp_template":
+        import torch._inductor.config as ic
+
+        with ic.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN"):
+            fn = torch.compile(_Stack(weights).eval(), dynamic=False)
+            xs = [torch.randn(m, k) for k, _ in SHAPES]
+            with torch.no_grad():
+                fn(xs)  # compile (and autotune) under the patched config
+        return fn
+    raise ValueError(variant)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 8, 16])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS[:4]), choices=VARIANTS)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.05 for _ in range(a.layers) for k, n in SHAPES]
+    mib = sum(w.numel() * 4 for w in weights) / 2**20
+    inputs = {m: [torch.randn(m, k) for k, _ in SHAPES] for m in a.rows}
+    fns = {(v, m): build(v, weights, m) for v in a.variants for m in a.rows}
+    with torch.no_grad():
+        for (v, m), fn in fns.items():
+            ref = [inputs[m][j % 4] @ w.t() for j, w in enumerate(weights)]
+            err = max((x - y).abs().max().item() for x, y in zip(fn(inputs[m]), ref))
+            assert err < 1e-3, (v, m, err)
+        best: dict[tuple[str, int], float] = {}
+        for _ in range(a.repeats):
+            for (v, m), fn in fns.items():
+                t = time.perf_counter()
+                fn(inputs[m])
+                dt = time.perf_counter() - t
+                best[v, m] = min(best.get((v, m), dt), dt)
+    print(f"{a.layers} layers' projections, {mib:.0f} MiB fp32, {a.threads} thread(s); best of {a.repeats}, "
+          "ms (ratio to the variant's M=1)")
+    print("variant       " + "".join(f"M={m:<14}" for m in a.rows))
+    for v in a.variants:
+        base = best[v, a.rows[0]]
+        print(f"{v:<13} " + "".join(f"{best[v, m] * 1e3:6.1f} ({best[v, m] / base:4.2f}x)  " for m in a.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -208,14 +208,11 @@ class Engine:
             top_logprobs [n, num_top])`` for the first ``n`` emitted tokens of row ``b``.
         """
         B, k, K = len(running), self.k, drafts.shape[1]
-        # verify input: [last_token, d_1 .. d_K]; positions past each row's drafts → trash
-        last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
-        ids = torch.cat([last, drafts], dim=1)
-        start = torch.tensor([r.num_computed for r in running], dtype=torch.long)
+        ids, start, kv_len = self._verify_inputs(running, drafts, nd)
+        # positions past each row's drafts → trash
         offs = torch.arange(K + 1)
         pos = start[:, None] + offs[None]
         pos = torch.where(offs[None] <= nd[:, None], pos, torch.full_like(pos, self.cache.trash_pos))
-        kv_len = int((start + nd).max()) + 1
         with stage(f"specc.verify[{K + 1}]"):
             logits = self._target(ids, pos, self.cache.rows(B), kv_len, 0)  # [B, K+1, V]
 
@@ -253,10 +250,7 @@ class Engine:
             raise ValueError(f"{type(self.proposer).__name__} asks for target hidden states and proposed a "
                              "tree: hidden states of tree nodes are not handed to proposers")
         B, k, K = len(running), self.k, drafts.shape[1]
-        last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
-        ids = torch.cat([last, drafts], dim=1)
-        start = torch.tensor([r.num_computed for r in running], dtype=torch.long)
-        kv_len = int((start + nd).max()) + 1
+        ids, start, kv_len = self._verify_inputs(running, drafts, nd)
         tree = tree_attention_inputs(parents, nd, start, kv_len, self.cache.trash_pos)
         cache = self.cache.rows(B)
         with stage(f"specc.verify_tree[{K + 1}]"):
@@ -274,6 +268,15 @@ class Engine:
             # emitted token j was scored at node nodes[b, j]: logprobs read those rows
             on_path = processed.gather(1, nodes.clamp(min=0)[:, :, None].expand_as(processed))
         return tokens, accepted, _EagerLogprobs(on_path, tokens), paths
+
+    @staticmethod
+    def _verify_inputs(running: list[Request], drafts: torch.Tensor, nd: torch.Tensor):
+        """``(ids, start, kv_len)`` of a verify pass: ``ids`` ``[B, K+1]`` int64 =
+        ``[last_token, d_1 .. d_K]`` per row, ``start`` ``[B]`` int64 the last token's
+        position (``num_computed``), ``kv_len`` the keys any row needs."""
+        last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
+        start = torch.tensor([r.num_computed for r in running], dtype=torch.long)
+        return torch.cat([last, drafts], dim=1), start, int((start + nd).max()) + 1
 
     @staticmethod
     def _process(logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:

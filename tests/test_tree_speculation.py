@@ -17,13 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import greedy, greedy_truth, make_session, oracle_table, patched, drafter_spec
+from helpers import drafter_spec, greedy, greedy_truth, make_session, oracle_table, patched
 from specc import SamplingParams
 from specc.compiler import check_compilable
 from specc.config import ConfigError, load_config
 from specc.models.kv_cache import KVCache
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
-from specc.runtime.token_tree import TokenTree
+from specc.runtime.token_tree import TokenTree, parse_choices
 
 K = 4
 # true token at child rank 1 at depth 1, rank 0 below: the accepted path is nodes 2, 4, 6
@@ -48,8 +48,7 @@ class StaticTreeOracle(Proposer):
 
     def __init__(self, choices, truth, vocab_size: int):
         self.tree = TokenTree.from_choices(choices)
-        self.ranks = sorted(tuple(c) for c in choices)
-        self.ranks.sort(key=lambda t: (len(t), t))
+        self.ranks = parse_choices(choices)  # node i + 1's rank path
         super().__init__(self.tree.num_drafts)
         self.truth, self.vocab = truth, vocab_size
         self.verified: list[list[list[int]]] = []
@@ -165,7 +164,7 @@ def test_chain_as_tree_is_identical(tiny_llama_dir, params):
     chain = make_session(tiny_llama_dir, spec)
     tree = make_session(tiny_llama_dir, spec)
     tree.engine.proposer = tree.proposer = ChainAsTree(tree.proposer)
-    params = [params.clone() if hasattr(params, "clone") else params] * len(PROMPTS)
+    params = [params] * len(PROMPTS)
     a, b = chain.generate(PROMPTS, params), tree.generate(PROMPTS, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.metrics.tokens_per_step for o in a] == [o.metrics.tokens_per_step for o in b]
@@ -176,3 +175,26 @@ def test_compiler_refuses_tree_proposals():
     with pytest.raises(ConfigError, match="enforce_eager"):
         check_compilable(cfg)
     check_compilable(load_config({"target": "x", "speculative_config": drafter_spec("suffix", K)}))
+
+
+def test_suffix_drafter_proposes_its_candidate_tree():
+    from specc.runtime.drafters.suffix import SuffixDrafter
+    from specc.runtime.request import Request
+    from specc.runtime.drafters.suffix_tree import SuffixTree
+
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2]  # after "1 2": 3 or 4 (1/3 each; the last "1 2" has no next)
+    req = Request(0, "", prompt, SamplingParams(max_tokens=100), torch.Generator(), frozenset(), 4096)
+    batch = StepBatch([req], torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                      torch.ones(1, dtype=torch.bool))
+    d = SuffixDrafter(K, max_tree_depth=8, max_cached_requests=0, max_spec_factor=2.0, propose_tree=True)
+    d.prefill(req, 0)
+    prop = d.propose(batch, [K], torch.zeros(1, K))
+    ref = SuffixTree(8)
+    ref.extend(0, prompt)
+    cand = ref.speculate(prompt, K, 2.0, 0.1, tree=True)
+    n = int(prop.num_draft_tokens[0])
+    assert n == len(cand) and prop.draft_token_ids[0, :n].tolist() == cand.token_ids
+    assert prop.parents[0, :n].tolist() == [p + 1 for p in cand.parents]
+    assert not TokenTree(tuple(prop.parents[0, :n].tolist())).is_chain  # it branches
+    chain = SuffixDrafter(K, max_tree_depth=8, max_cached_requests=0).propose(batch, [K], torch.zeros(1, K))
+    assert chain.parents is None

@@ -198,3 +198,19 @@ def test_suffix_drafter_proposes_its_candidate_tree():
     assert not TokenTree(tuple(prop.parents[0, :n].tolist())).is_chain  # it branches
     chain = SuffixDrafter(K, max_tree_depth=8, max_cached_requests=0).propose(batch, [K], torch.zeros(1, K))
     assert chain.parents is None
+
+
+def test_tree_logprobs_equal_nonspec(tiny_llama_dir, base):
+    """Logprobs of tokens emitted along an accepted path (nodes 2, 4, 6) are read at the
+    nodes that scored them: equal to non-speculative decoding (C8)."""
+    truth = greedy_truth(base, PROMPTS[:2], 24)
+    drafter = StaticTreeOracle(CHOICES, oracle_table(truth), base.target.model.config.vocab_size)
+    session = make_session(tiny_llama_dir, proposer=drafter)
+    outs = session.generate(PROMPTS[:2], greedy(24, logprobs=3))
+    want = base.generate(PROMPTS[:2], greedy(24, logprobs=3), use_speculation=False)
+    for o, w in zip(outs, want):
+        assert o.token_ids == w.token_ids and len(o.logprobs) == len(w.logprobs)
+        for a, b in zip(o.logprobs, w.logprobs):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert max(max(o.metrics.tokens_per_step) for o in outs) == 4

@@ -214,3 +214,10 @@ def test_tree_logprobs_equal_nonspec(tiny_llama_dir, base):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert max(max(o.metrics.tokens_per_step) for o in outs) == 4
+
+
+def test_compiled_engine_refuses_tree_proposals():
+    from specc.runtime.replay import CompiledEngine
+
+    with pytest.raises(NotImplementedError, match="enforce_eager"):
+        object.__new__(CompiledEngine)._verify_tree()

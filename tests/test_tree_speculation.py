@@ -170,11 +170,13 @@ def test_chain_as_tree_is_identical(tiny_llama_dir, params):
     assert [o.metrics.tokens_per_step for o in a] == [o.metrics.tokens_per_step for o in b]
 
 
-def test_compiler_refuses_tree_proposals():
-    cfg = load_config({"target": "x", "speculative_config": drafter_spec("suffix", K, suffix_decoding_propose_tree=True)})
+def test_compiler_refuses_tree_proposals(tiny_llama_dir):
+    tree_spec = drafter_spec("suffix", K, suffix_decoding_propose_tree=True)
     with pytest.raises(ConfigError, match="enforce_eager"):
-        check_compilable(cfg)
+        check_compilable(load_config({"target": "x", "speculative_config": tree_spec}))
     check_compilable(load_config({"target": "x", "speculative_config": drafter_spec("suffix", K)}))
+    with pytest.raises(ConfigError, match="suffix_decoding_propose_tree.*enforce_eager"):
+        make_session(tiny_llama_dir, tree_spec, enforce_eager=False)  # refused before compiling
 
 
 def test_suffix_drafter_proposes_its_candidate_tree():

@@ -134,9 +134,9 @@ class SuffixDrafter(Proposer):
 
     # -- drafting ------------------------------------------------------------------------
     def candidate(self, request: Request, max_tokens: int | None = None) -> Candidate:
-        """The chain (or with ``propose_tree`` the tree) proposed for ``request`` now: the better-scoring of the per-request
-        and global trees' candidates (ties: per-request), at most ``min(k, max_tokens)``
-        tokens."""
+        """The chain (with ``propose_tree``: the tree) proposed for ``request`` now: the
+        better-scoring of the per-request and global trees' candidates (ties:
+        per-request), at most ``min(k, max_tokens)`` tokens."""
         limit = self.num_speculative_tokens if max_tokens is None else min(self.num_speculative_tokens, max_tokens)
         live = self._sync(request)
         args = (limit, self.max_spec_factor, self.min_token_prob)

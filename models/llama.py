@@ -352,16 +352,20 @@ class DecoderLayer(nn.Module):
 
 
 def attention_inputs(config: ModelConfig, positions: torch.Tensor, kv_len: int,
-                     attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     attn_mask: torch.Tensor | None = None,
+                     cache_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What every decoder layer of a forward over ``positions`` ``[B, T]`` int64 shares:
 
-    * ``write_index`` ``[B, KVH, T, D]`` int64, the positions broadcast for the K/V scatter;
+    * ``write_index`` ``[B, KVH, T, D]`` int64, the K/V write positions broadcast for the
+      scatter: ``cache_positions`` ``[B, T]`` when given (tree verify: one slot per node
+      while siblings share a RoPE position), else ``positions``;
     * ``mask`` ``[B, 1, T, kv_len]`` bool, True = key visible: ``attn_mask[:, None]``
       when given (``[B, T, kv_len]``), else causal by position (key ``j`` visible to a
       query at position ``p`` iff ``j <= p``).
     """
     b, t = positions.shape
-    write_index = positions[:, None, :, None].expand(b, config.num_key_value_heads, t, config.head_dim)
+    where = positions if cache_positions is None else cache_positions
+    write_index = where[:, None, :, None].expand(b, config.num_key_value_heads, t, config.head_dim)
     if attn_mask is None:
         key_pos = torch.arange(kv_len, device=positions.device)
         attn_mask = key_pos[None, None, :] <= positions[:, :, None]        # [B, T, kv_len]
@@ -432,6 +436,7 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         *,
         attn_mask: torch.Tensor | None = None,
+        cache_positions: torch.Tensor | None = None,
         kv_len: int | None = None,
         num_layers: int | None = None,
         hidden_layers: tuple[int, ...] = (),
@@ -448,6 +453,9 @@ class LlamaForCausalLM(nn.Module):
                 (tree attention). Default: key ``j`` visible iff ``j <= positions[b, t]``.
                 Every row must see at least one key (a fully masked row gives NaN, which
                 would then be written at its position).
+            cache_positions: optional ``[B, T]`` int64 K/V write positions when they differ
+                from ``positions`` (tree verify: siblings share a RoPE position, each node
+                has its own cache slot). Default: ``positions``.
             kv_len: attend over cache positions ``[0, kv_len)`` (a Python int, static);
                 None = the whole cache (``max_model_len + 1``).
             num_layers: run only the first N decoder layers, then the final norm and
@@ -466,11 +474,11 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         n_run = cfg.num_hidden_layers if num_layers is None else num_layers
         kv_len = kv_cache.max_len if kv_len is None else kv_len
-        self._check_args(input_ids, positions, kv_cache, attn_mask, kv_len, n_run, hidden_layers)
+        self._check_args(input_ids, positions, kv_cache, attn_mask, cache_positions, kv_len, n_run, hidden_layers)
 
         x = self.model.embed_tokens(input_ids)                              # [B, T, hidden]
         cos, sin = self.model.rotary_emb(positions, x.dtype)                # [B, T, D] each
-        write_index, mask = attention_inputs(cfg, positions, kv_len, attn_mask)
+        write_index, mask = attention_inputs(cfg, positions, kv_len, attn_mask, cache_positions)
 
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
@@ -483,7 +491,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x)).float()
         return ModelOutput(logits=logits, hidden_states=hidden)
 
-    def _check_args(self, input_ids, positions, kv_cache, attn_mask, kv_len, n_run, hidden_layers):
+    def _check_args(self, input_ids, positions, kv_cache, attn_mask, cache_positions, kv_len, n_run, hidden_layers):
         """Static (shape/int) checks only: nothing here reads tensor values."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
@@ -502,6 +510,9 @@ class LlamaForCausalLM(nn.Module):
         bad = [i for i in hidden_layers if not 0 <= i <= n_run]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range [0, {n_run}] for {n_run} layers run")
+        if cache_positions is not None and (cache_positions.shape != (b, t) or cache_positions.dtype != torch.int64):
+            raise ValueError(f"cache_positions must be int64 [B, T]=[{b}, {t}], "
+                             f"got {cache_positions.dtype} {tuple(cache_positions.shape)}")
         if attn_mask is not None and (attn_mask.shape != (b, t, kv_len) or attn_mask.dtype != torch.bool):
             raise ValueError(f"attn_mask must be bool [B, T, kv_len]=[{b}, {t}, {kv_len}], "
                              f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")

@@ -18,6 +18,13 @@ One step for B live requests (request i in KV slot i):
    logprobs and counters. Rejected positions need no rollback: their K/V lies beyond the
    sequence's length and is rewritten before any query can see it.
 
+A proposal may carry a token *tree* (``Proposal.parents``; deterministic drafts only):
+step 3 then feeds all nodes under the tree attention mask with depth positions
+(:func:`specc.passes.tree_mask.tree_attention_inputs`), step 4 is
+:func:`specc.kernels.tree_rejection_sampler.tree_rejection_sample` (one accepted path),
+and the path's K/V is moved after the prefix (:mod:`specc.passes.kv_compaction`) before
+the next step. Chain proposals (``parents`` None) take the chain path unchanged.
+
 Non-speculative decoding is the same step with no drafts.
 """
 
@@ -30,9 +37,12 @@ from typing import Callable
 import torch
 
 from specc.kernels.rejection_sampler import rejection_sample
+from specc.kernels.tree_rejection_sampler import tree_rejection_sample
 from specc.models.kv_cache import KVCache
 from specc.models.llama import LlamaForCausalLM
 from specc.outputs import TokenLogprob
+from specc.passes.kv_compaction import compact_accepted_kv
+from specc.passes.tree_mask import tree_attention_inputs
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.request import Request
 from specc.runtime.sampling import compute_logprobs, process_logits, sample_from_probs
@@ -131,11 +141,13 @@ class Engine:
             logits = self._target(piece, pos, cache, start + piece.shape[1], slot)
         return logits[:, -1]
 
-    def _target(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, kv_len: int, slot0: int) -> torch.Tensor:
+    def _target(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, kv_len: int, slot0: int,
+                **tree) -> torch.Tensor:
         """One target forward over ``cache`` (slots ``slot0 ..``); returns logits
-        ``[B, T, V]`` and hands the proposer the hidden states it lists, if any."""
+        ``[B, T, V]`` and hands the proposer the hidden states it lists, if any.
+        ``tree``: ``attn_mask`` and ``cache_positions`` of a tree verify."""
         layers = self.proposer.hidden_layers if self.proposer is not None else ()
-        out = self.model(ids, pos, cache, kv_len=kv_len, hidden_layers=layers)
+        out = self.model(ids, pos, cache, kv_len=kv_len, hidden_layers=layers, **tree)
         if layers:
             hidden = torch.stack([out.hidden_states[i] for i in layers], dim=2)  # [B, T, n, H]
             self.proposer.on_target_hidden_states(slot0, pos, hidden)
@@ -159,7 +171,14 @@ class Engine:
             nd = torch.zeros(B, dtype=torch.long)
             drafts, draft_probs = torch.zeros(B, 0, dtype=torch.long), None
 
-        tokens, accepted, logprobs = self._verify(running, batch, drafts, nd, draft_probs, uniforms)
+        is_tree = proposal is not None and proposal.parents is not None
+        paths = [[] for _ in running] if is_tree else None  # a tree proposer always learns its paths
+        if is_tree and K > 0:
+            # the first nd[b] nodes of a tree are a tree (parents precede children)
+            tokens, accepted, logprobs, paths = self._verify_tree(
+                running, batch, drafts, proposal.parents[:, :K], nd, draft_probs, uniforms)
+        else:
+            tokens, accepted, logprobs = self._verify(running, batch, drafts, nd, draft_probs, uniforms)
         nds = nd.tolist()
         with stage("specc.bookkeeping"):
             for b, req in enumerate(running):
@@ -168,7 +187,10 @@ class Engine:
                 req.num_computed += self._emit(req, tokens[b][: accepted[b] + 1],
                                                lambda n, top, b=b: logprobs(b, n, top), num_drafts=nds[b])
             if self.proposer is not None and proposal is not None:
-                self.proposer.on_verified(batch, accepted)
+                if paths is None:
+                    self.proposer.on_verified(batch, accepted)
+                else:
+                    self.proposer.on_verified(batch, accepted, accepted_paths=paths)
 
     def _verify(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, nd: torch.Tensor,
                 draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
@@ -186,26 +208,16 @@ class Engine:
             top_logprobs [n, num_top])`` for the first ``n`` emitted tokens of row ``b``.
         """
         B, k, K = len(running), self.k, drafts.shape[1]
-        # verify input: [last_token, d_1 .. d_K]; positions past each row's drafts → trash
-        last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
-        ids = torch.cat([last, drafts], dim=1)
-        start = torch.tensor([r.num_computed for r in running], dtype=torch.long)
+        ids, start, kv_len = self._verify_inputs(running, drafts, nd)
+        # positions past each row's drafts → trash
         offs = torch.arange(K + 1)
         pos = start[:, None] + offs[None]
         pos = torch.where(offs[None] <= nd[:, None], pos, torch.full_like(pos, self.cache.trash_pos))
-        kv_len = int((start + nd).max()) + 1
         with stage(f"specc.verify[{K + 1}]"):
             logits = self._target(ids, pos, self.cache.rows(B), kv_len, 0)  # [B, K+1, V]
 
         with stage("specc.accept"):
-            V = logits.shape[-1]
-            rep = K + 1
-            processed = process_logits(
-                logits.reshape(B * rep, V),
-                batch.temperature.repeat_interleave(rep),
-                batch.top_k.repeat_interleave(rep),
-                batch.top_p.repeat_interleave(rep),
-            ).view(B, rep, V)
+            processed = self._process(logits, batch)
             result = rejection_sample(
                 processed, drafts, nd, draft_probs, batch.is_greedy,
                 uniforms[:, k : k + K], uniforms[:, 2 * k],
@@ -213,6 +225,69 @@ class Engine:
             tokens = result.output_token_ids.tolist()
             accepted = result.num_accepted.tolist()
         return tokens, accepted, _EagerLogprobs(processed, tokens)
+
+    def _verify_tree(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, parents: torch.Tensor,
+                     nd: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
+        """:meth:`_verify` for a token tree per row, then KV compaction of the accepted path.
+
+        Args:
+            parents: ``[B, K]`` int64, node ``i + 1``'s parent (``0..i``) at ``[:, i]``
+                (:mod:`specc.runtime.token_tree`); the rest as :meth:`_verify`.
+
+        Returns:
+            ``(tokens, accepted, logprobs, paths)``: as :meth:`_verify`, plus per row the
+            accepted node indices in path order (root excluded).
+
+        Raises:
+            ValueError: a tree with draft probabilities (only one-hot q is verified on
+                trees), or a proposer that needs target hidden states (their positions
+                would be the tree's, not the sequence's).
+        """
+        if draft_probs is not None:
+            raise ValueError("tree proposals must be deterministic (draft_probs None): the tree sampler "
+                             "implements recursive rejection for one-hot q only")
+        if self.proposer is not None and self.proposer.hidden_layers:
+            raise ValueError(f"{type(self.proposer).__name__} asks for target hidden states and proposed a "
+                             "tree: hidden states of tree nodes are not handed to proposers")
+        B, k, K = len(running), self.k, drafts.shape[1]
+        ids, start, kv_len = self._verify_inputs(running, drafts, nd)
+        tree = tree_attention_inputs(parents, nd, start, kv_len, self.cache.trash_pos)
+        cache = self.cache.rows(B)
+        with stage(f"specc.verify_tree[{K + 1}]"):
+            logits = self._target(ids, tree.positions, cache, kv_len, 0,
+                                  attn_mask=tree.mask, cache_positions=tree.cache_positions)
+        with stage("specc.accept"):
+            processed = self._process(logits, batch)
+            result = tree_rejection_sample(processed, drafts, parents, nd, batch.is_greedy,
+                                           uniforms[:, k : k + K], uniforms[:, 2 * k])
+            tokens = result.output_token_ids.tolist()
+            accepted = result.num_accepted.tolist()
+            nodes = result.accepted_nodes  # [B, K+1]: root, then the path
+            paths = [row[1 : a + 1] for row, a in zip(nodes.tolist(), accepted)]
+            compact_accepted_kv(cache, start.tolist(), paths)
+            # emitted token j was scored at node nodes[b, j]: logprobs read those rows
+            on_path = processed.gather(1, nodes.clamp(min=0)[:, :, None].expand_as(processed))
+        return tokens, accepted, _EagerLogprobs(on_path, tokens), paths
+
+    @staticmethod
+    def _verify_inputs(running: list[Request], drafts: torch.Tensor, nd: torch.Tensor):
+        """``(ids, start, kv_len)`` of a verify pass: ``ids`` ``[B, K+1]`` int64 =
+        ``[last_token, d_1 .. d_K]`` per row, ``start`` ``[B]`` int64 the last token's
+        position (``num_computed``), ``kv_len`` the keys any row needs."""
+        last = torch.tensor([[r.last_token] for r in running], dtype=torch.long)
+        start = torch.tensor([r.num_computed for r in running], dtype=torch.long)
+        return torch.cat([last, drafts], dim=1), start, int((start + nd).max()) + 1
+
+    @staticmethod
+    def _process(logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``[B, T, V]`` raw logits -> each row's processors applied (temperature, top-k, top-p)."""
+        B, rep, V = logits.shape
+        return process_logits(
+            logits.reshape(B * rep, V),
+            batch.temperature.repeat_interleave(rep),
+            batch.top_k.repeat_interleave(rep),
+            batch.top_p.repeat_interleave(rep),
+        ).view(B, rep, V)
 
     def _emit(self, req: Request, tokens: list[int], logprobs, num_drafts: int | None) -> int:
         """Append a step's tokens (stop checks cut them), then logprobs and counters.

@@ -186,6 +186,11 @@ class CompiledEngine(Engine):
 
         return tokens, accepted, logprobs
 
+    def _verify_tree(self, *args, **kwargs):
+        raise NotImplementedError(
+            "compiled steps verify chains only: a tree proposal (suffix_decoding_propose_tree, or a proposer "
+            "that sets Proposal.parents) needs the eager path; set enforce_eager: true")
+
     def _run_group(self, reqs, batch, rows, drafts, nd, uniforms, slot0):
         n, k, dev = len(reqs), self.k, self.cache.device
         b = next(x for x in self.programs.buckets if x >= n)

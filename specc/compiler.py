@@ -76,6 +76,11 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
             f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix' and for "
             "non-speculative decoding so far; set enforce_eager: true (specc generate/bench/profile: "
             "--enforce-eager) to run this method on the eager path", label)
+    if method == "suffix" and config.speculative_config.suffix_decoding_propose_tree:
+        raise ConfigError(
+            "speculative_config.suffix_decoding_propose_tree = true: tree proposals are verified on the eager "
+            "path only so far (the compiled spec_step verifies chains); set enforce_eager: true "
+            "(specc generate/bench/profile: --enforce-eager), or drop the option for chain drafts", label)
     if config.device == "npu":
         raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
                           label)

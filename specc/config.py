@@ -98,6 +98,7 @@ _METHOD_FIELDS: dict[str, frozenset[str]] = {
     "suffix": frozenset({
         "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+        "suffix_decoding_propose_tree",
     }),
     "eagle": frozenset({"model"}),
     "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids"}),
@@ -118,6 +119,9 @@ SUFFIX_DEFAULTS: dict[str, Any] = {
     "suffix_decoding_max_cached_requests": 10000,
     "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1,
+    # specc's own switch (vLLM / Arctic verify suffix drafts as chains): propose the
+    # candidate tree, verified under the tree attention mask (eager path only)
+    "suffix_decoding_propose_tree": False,
 }
 
 
@@ -131,7 +135,8 @@ class SpeculativeConfig(BaseModel):
       omitted): the target's first N layers + its final norm + lm_head.
     * ``suffix``: SuffixDecoding (per-request and global suffix trees); the
       ``suffix_decoding_*`` fields take vLLM's defaults (:data:`SUFFIX_DEFAULTS`) when
-      omitted.
+      omitted; ``suffix_decoding_propose_tree`` (specc's, default false) proposes the
+      candidate token tree instead of the best chain (eager path only).
     * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
       ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
       layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).
@@ -149,6 +154,7 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: Int | None = Field(default=None, ge=0)
     suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    suffix_decoding_propose_tree: bool | None = None
     eagle_aux_hidden_state_layer_ids: list[Int] | None = None
 
     @field_validator("eagle_aux_hidden_state_layer_ids")

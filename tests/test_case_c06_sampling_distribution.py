@@ -4,7 +4,8 @@ The kernel-level statistical tests live in ``test_rejection_sampler.py``; this f
 that the *runtime path* is lossless: per-request uniforms, the drafters' processed
 probabilities q (draft model, early exit, EAGLE heads; EAGLE-3's q over its reduced draft
 vocabulary, mapped to target ids), the n-gram and suffix drafters' one-hot q
-(suffix with its global tree on: drafts from other requests' sampled outputs), padded
+(suffix with its global tree on: drafts from other requests' sampled outputs; suffix
+candidate *trees*, verified by the tree sampler's recursive rejection), padded
 verify batches and the engine's bookkeeping.
 
 Toy model: a 2-layer random Llama with a 64-token vocabulary (so chi-square cells are
@@ -55,7 +56,7 @@ SETTINGS = {
     "top_k2": dict(top_k=2),
     "t1.3": dict(temperature=1.3),
 }
-METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix", "eagle", "eagle3"]
+METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix", "eagle", "eagle3", "suffix_tree"]
 
 
 def _build_toy(out_dir: Path, tokenizer, seed: int) -> Path:
@@ -98,6 +99,8 @@ def _spec_config(method: str, dirs: tuple[Path, Path], heads: dict[str, Path]) -
         return drafter_spec(method, K, heads[method])
     if method == "draft_equals_target":
         return drafter_spec("draft_model", K, target)
+    if method == "suffix_tree":  # candidate trees: the tree sampler's recursive rejection
+        return drafter_spec("suffix", K, suffix_decoding_propose_tree=True)
     return drafter_spec(method, K, other)  # draft_model: the other toy drafts
 
 

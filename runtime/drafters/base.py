@@ -31,16 +31,24 @@ class StepBatch:
 
 @dataclass
 class Proposal:
-    """Draft tokens for one step.
+    """Draft tokens for one step: a chain per row, or a token tree per row.
 
     ``draft_token_ids[b, i]`` for ``i >= num_draft_tokens[b]`` is padding. ``draft_probs``
     is the drafter's processed distribution q at each draft position, or None for a
     deterministic drafter (q is one-hot at the draft token: n-gram, suffix).
+
+    ``parents`` None: each row's drafts are a chain. Else each row's drafts are the nodes
+    ``1..num_draft_tokens[b]`` of a token tree (:mod:`specc.runtime.token_tree`; node 0 is
+    the request's last token): ``parents[b, i]`` is the parent node of draft ``i`` (node
+    ``i + 1``), in ``0..i``; padding entries may hold any value in that range. Trees are
+    verified on the eager path only and need ``draft_probs`` None. The engine may keep
+    only the first ``n`` nodes of a row (its cap), which is still a tree.
     """
 
     draft_token_ids: torch.Tensor  # [B, K] int64
     num_draft_tokens: torch.Tensor  # [B] int64, 0..K
     draft_probs: torch.Tensor | None = None  # [B, K, V] float32
+    parents: torch.Tensor | None = None  # [B, K] int64, parent node of draft i, 0..i
 
     @property
     def width(self) -> int:
@@ -90,8 +98,14 @@ class Proposer(ABC):
                 drafter that samples; a deterministic drafter ignores them.
         """
 
-    def on_verified(self, batch: StepBatch, num_accepted: list[int]) -> None:
-        """Called after accept/reject with each row's accepted draft count."""
+    def on_verified(self, batch: StepBatch, num_accepted: list[int], accepted_paths: list[list[int]] | None = None) -> None:
+        """Called after accept/reject with each row's accepted draft count.
+
+        After a tree proposal the engine also passes ``accepted_paths``: per row the
+        accepted draft indices + 1 (tree node numbers), in path order, so draft ``j`` of
+        the row's proposal was accepted iff ``j + 1`` is listed. A proposer that proposes
+        trees must accept this keyword; chain proposals never get it.
+        """
 
     def move_slot(self, src: int, dst: int) -> None:
         """The request in slot ``src`` moved to slot ``dst`` (its old slot is free)."""

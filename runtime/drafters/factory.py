@@ -31,6 +31,7 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
         return SuffixDrafter(
             k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
             spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+            propose_tree=spec.suffix_decoding_propose_tree,
         )
     if spec.method == "draft_model":
         from specc.runtime.drafters.draft_model import DraftModelProposer

@@ -15,9 +15,11 @@ the per-request one) is proposed. Speculation length adapts to the match length:
 ``min(k, ceil(max_spec_factor * match_len))`` tokens, each with count-based probability
 ``>= min_token_prob``.
 
-The engine verifies chains, so the drafter proposes the best-scoring *chain*
-(``SuffixTree.speculate(tree=False)``); the candidate *tree* of the paper is there
-(``tree=True``) for the tree-mask verify pass when it lands. Deterministic: q is one-hot
+By default the drafter proposes the best-scoring *chain* (``SuffixTree.speculate(tree=False)``).
+With ``propose_tree`` (config ``suffix_decoding_propose_tree``) it proposes the paper's
+candidate *tree* (``tree=True``: the ``limit`` most probable continuations, best-first) as
+a token tree (``Proposal.parents``), verified in one pass under the tree attention mask on
+the eager path (:mod:`specc.passes.tree_mask`). Deterministic: q is one-hot
 (``draft_probs`` None), so rejection sampling stays lossless. With the global tree on,
 a request's drafts depend on which requests finished before it: outputs are unchanged
 for greedy requests and equal in distribution for sampled ones, but a seeded sampled
@@ -30,6 +32,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from itertools import count
+
+import torch
 
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch, pad_drafts
 from specc.runtime.drafters.suffix_tree import Candidate, SuffixTree
@@ -63,13 +67,15 @@ class SuffixDrafter(Proposer):
         max_cached_requests: outputs the global tree holds (>= 0; 0: no global tree).
         max_spec_factor: draft at most ``ceil(factor * match_len)`` tokens (> 0).
         min_token_prob: never draft a token of lower count-based probability (0..1).
+        propose_tree: propose the candidate tree instead of the best chain (eager
+            verify only; the compiler refuses it).
 
     Raises:
         ValueError: an argument out of range.
     """
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1, propose_tree: bool = False):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if max_tree_depth < 1:
@@ -85,6 +91,7 @@ class SuffixDrafter(Proposer):
         self.max_cached_requests = int(max_cached_requests)
         self.max_spec_factor = float(max_spec_factor)
         self.min_token_prob = float(min_token_prob)
+        self.propose_tree = bool(propose_tree)
         self.global_tree = SuffixTree(self.max_tree_depth)
         self._cached: deque[int] = deque()  # global tree sequence ids, oldest first
         self._next_id = count()
@@ -95,12 +102,20 @@ class SuffixDrafter(Proposer):
         self._sync(request)
 
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms) -> Proposal:
-        drafts = [self.candidate(req, cap).token_ids if cap > 0 else []
-                  for req, cap in zip(batch.requests, max_drafts)]
-        ids, num = pad_drafts(drafts)
-        return Proposal(ids, num, None)
+        cands = [self.candidate(req, cap) if cap > 0 else Candidate()
+                 for req, cap in zip(batch.requests, max_drafts)]
+        ids, num = pad_drafts([c.token_ids for c in cands])
+        if not self.propose_tree:
+            return Proposal(ids, num, None)
+        parents = torch.arange(ids.shape[1]).repeat(len(cands), 1)  # padding: chain-like, in range
+        for b, c in enumerate(cands):
+            if c.parents:  # Candidate: -1 = the context; token tree: node 0 = the last token
+                parents[b, : len(c)] = torch.tensor(c.parents, dtype=torch.long) + 1
+        return Proposal(ids, num, None, parents)
 
-    def on_verified(self, batch: StepBatch, num_accepted: list[int]) -> None:
+    def on_verified(self, batch: StepBatch, num_accepted: list[int], accepted_paths=None) -> None:
+        """Append each request's emitted tokens (the accepted path's tokens and the
+        final token) to its tree; ``accepted_paths`` is not needed for that."""
         for req in batch.requests:
             if req.request_id in self._live:
                 self._sync(req)
@@ -119,16 +134,16 @@ class SuffixDrafter(Proposer):
 
     # -- drafting ------------------------------------------------------------------------
     def candidate(self, request: Request, max_tokens: int | None = None) -> Candidate:
-        """The chain proposed for ``request`` now: the better-scoring of the per-request
-        and global trees' candidates (ties: per-request), at most ``min(k, max_tokens)``
-        tokens."""
+        """The chain (with ``propose_tree``: the tree) proposed for ``request`` now: the
+        better-scoring of the per-request and global trees' candidates (ties:
+        per-request), at most ``min(k, max_tokens)`` tokens."""
         limit = self.num_speculative_tokens if max_tokens is None else min(self.num_speculative_tokens, max_tokens)
         live = self._sync(request)
         args = (limit, self.max_spec_factor, self.min_token_prob)
-        own = live.tree.speculate_sequence(_SEQ, *args)
+        own = live.tree.speculate_sequence(_SEQ, *args, tree=self.propose_tree)
         if not self._cached:
             return own
-        other = self.global_tree.speculate(self._context_tail(request), *args)
+        other = self.global_tree.speculate(self._context_tail(request), *args, tree=self.propose_tree)
         return other if other.score > own.score else own
 
     def history(self, request_id: int) -> list[int]:

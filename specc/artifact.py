@@ -32,14 +32,13 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from specc.atomic import atomic_folder
 from specc.config import ConfigError
 
 __all__ = [
@@ -218,36 +217,15 @@ def write_artifact(out_dir: str | os.PathLike, build: Callable[[Path], dict[str,
         ArtifactError: ``out_dir`` exists and is not an artifact.
     """
     out = check_output_dir(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         manifest = build(tmp)
-        _make_readable(tmp)
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = f.relative_to(tmp).as_posix()
             files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
         manifest["files"] = files
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
-
-
-def _make_readable(root: Path) -> None:
-    """mkdtemp makes a 0700 folder (and some writers 0600 files): give the artifact the
-    usual permissions under the process umask, as a plain mkdir / open would."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in [root, *root.rglob("*")]:
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def open_artifact(path: str | os.PathLike, device: str | None = None) -> Artifact:

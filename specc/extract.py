@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from specc.atomic import atomic_folder
 from specc.config import SpeccConfig, load_config
 from specc.datasets import BenchPrompt
 
@@ -98,8 +97,7 @@ def extract_hidden_states(
         raise ValueError(f"--layers: {bad} outside [0, {n_layers}] (the target has {n_layers} layers; "
                          f"0 = embeddings, i = output of decoder layer i-1)")
     max_tokens = cfg.sampling.max_tokens if max_tokens is None else max_tokens
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         writer = _ShardWriter(tmp, tokens_per_shard)
         bar = _progress(len(prompts), progress)
         step = cfg.max_num_seqs
@@ -117,10 +115,6 @@ def extract_hidden_states(
             "num_tokens": writer.total_tokens, "shards": writer.shards,
         }
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -215,20 +209,6 @@ def _check_out_dir(out_dir) -> Path:
                          "(specc only replaces an earlier extract)")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` folder to ``out``, replacing an earlier one."""
-    for f in tmp.rglob("*"):
-        f.chmod(0o644 if f.is_file() else 0o755)
-    tmp.chmod(0o755)
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _progress(total: int, enabled: bool):

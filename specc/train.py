@@ -132,7 +132,7 @@ def head_layers(method: str, num_target_layers: int, layer_ids=None) -> tuple[li
     bad = [i for i in ids if not 0 <= i <= n]
     if bad or len(set(ids)) != len(ids):
         raise ValueError(f"--layer-ids {ids}: give distinct ids in [0, {n}]")
-    return ids + [n], ids
+    return (ids if ids[-1] == n else ids + [n]), ids
 
 
 # ------------------------------------------------------------------------------ batches
@@ -224,9 +224,9 @@ def train(config, out_dir: str | os.PathLike, settings: TrainSettings, *, resume
             ``speculative_config`` is ignored, the target runs in float32.
         out_dir: output folder; must be absent or empty unless ``resume``.
         settings: the run's settings (:class:`TrainSettings`).
-        resume: reuse ``out_dir``'s data and continue from its newest checkpoint (settings
-            must match the ones in its ``train.json``, except max_steps / save_every /
-            keep_checkpoints).
+        resume: reuse ``out_dir``'s data and continue from its newest checkpoint (once a
+            checkpoint exists, settings must match the ones in its ``train.json``, except
+            max_steps / save_every / keep_checkpoints; the data's own settings always).
 
     Returns:
         ``{"head": path, "steps": steps done, "total_steps": ..., "final": last metrics}``.
@@ -325,7 +325,7 @@ def _check_out_dir(out: Path, settings: TrainSettings, resume: bool) -> None:
         if out.is_dir() and any(out.iterdir()):
             raise ValueError(f"--out {out}: not empty; pass --resume to continue the run there, or choose "
                              "an empty folder")
-    elif meta.is_file():
+    elif meta.is_file() and latest_checkpoint(out / "checkpoints") is not None:
         old = json.loads(meta.read_text())
         diff = [f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in current.items() if old.get(k) != v]
         if diff:

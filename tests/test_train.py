@@ -71,7 +71,7 @@ def test_resume_equals_uninterrupted(files, tmp_path):
     assert res["steps"] == 3
     again = train(files / "model.yaml", tmp_path / "b", s, resume=True, progress=False)
     assert again["steps"] == full["steps"] == 6
-    a, b = (load_sequences_free(tmp_path / x) for x in "ab")
+    a, b = (_head_tensors(tmp_path / x) for x in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [[{k: v for k, v in json.loads(line).items() if k != "time"}
              for line in (tmp_path / x / "metrics.jsonl").read_text().splitlines()] for x in "ab"]
@@ -81,7 +81,7 @@ def test_resume_equals_uninterrupted(files, tmp_path):
         train(files / "model.yaml", tmp_path / "b", _settings(files, lr=1e-2), resume=True, progress=False)
 
 
-def load_sequences_free(folder):
+def _head_tensors(folder):
     from safetensors.torch import load_file
     return load_file(str(folder / "model.safetensors"))
 
@@ -150,3 +150,12 @@ def test_cli_end_to_end(files, tmp_path, capsys):
     assert main(argv) == 2 and "not empty; pass --resume" in capsys.readouterr().err
     assert main(argv + ["--resume"]) == 0  # runs on to the end of the schedule
     assert "after 4/4 steps" in capsys.readouterr().out
+
+
+def test_head_layers():
+    from specc.train import head_layers
+    assert head_layers("eagle", 30) == ([30], [])
+    assert head_layers("eagle3", 30) == ([2, 15, 27, 30], [2, 15, 27])  # vLLM's default + L for the targets
+    assert head_layers("eagle3", 2, [2, 0, 1]) == ([0, 1, 2], [0, 1, 2])  # L among them: not twice
+    with pytest.raises(ValueError, match="distinct ids in"):
+        head_layers("eagle3", 2, [0, 0, 1])

@@ -373,6 +373,9 @@ def _train(args) -> int:
         max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
         max_steps=args.max_steps, warmup_steps=args.warmup_steps, seed=args.seed,
         draft_vocab_size=args.draft_vocab_size, layer_ids=args.layer_ids, save_every=args.save_every)
+    if not args.exclude:
+        print("specc: note: no --exclude: the training prompts are not checked against any evaluation set "
+              "(give the benchmark's question.jsonl to keep its numbers honest)", file=sys.stderr)
     _set_threads(args.threads)
     result = train(args.target, args.out, settings, resume=args.resume, progress=not args.no_progress)
     final = result["final"] or {}

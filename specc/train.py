@@ -369,14 +369,15 @@ def plot_losses(history: list[dict], path: Path) -> None:
 
     steps = [r["step"] for r in history]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in history], label="loss")
+    ax.plot(steps, [r["loss"] for r in history], color="tab:blue", label="loss")
     if any(r["reg"] for r in history):
-        ax.plot(steps, [r["reg"] for r in history], label="feature regression", alpha=0.6)
-        ax.plot(steps, [r["cls"] for r in history], label="classification", alpha=0.6)
+        ax.plot(steps, [r["reg"] for r in history], color="tab:orange", alpha=0.6, label="feature regression")
+        ax.plot(steps, [r["cls"] for r in history], color="tab:green", alpha=0.6, label="classification")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax2 = ax.twinx()
-    ax2.plot(steps, [r["acc"] for r in history], color="tab:green", alpha=0.5, label="top-1 = target's")
+    ax2.plot(steps, [r["acc"] for r in history], color="tab:red", linestyle="--", alpha=0.6,
+             label="top-1 = target's (right axis)")
     ax2.set_ylabel("top-1 agreement")
     ax2.set_ylim(0, 1)
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]

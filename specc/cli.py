@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=_generate)
     _add_perf_commands(sub)
     _add_extract_command(sub)
+    _add_train_command(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -320,6 +321,67 @@ def _extract(args) -> int:
     index = json.loads((out / "index.json").read_text())
     print(f"specc: wrote {out}: {index['num_sequences']} sequences, {index['num_tokens']} tokens, "
           f"layers {index['layers']}, {len(index['shards'])} shard(s)")
+    return 0
+
+
+# -- specc train: EAGLE / EAGLE-3 heads by self-distillation (docs/speculative.md) -------------
+def _add_train_command(sub) -> None:
+    from specc.train import DEFAULT_OUT, TrainSettings
+
+    d = TrainSettings()
+    t = sub.add_parser(
+        "train", help="train an EAGLE / EAGLE-3 draft head on the target's own answers (self-distillation)",
+        description="Makes training prompts (the target writes its own questions, or --prompts FILE), filtered "
+        "against --exclude evaluation sets; records the target's greedy answers and hidden states in DIR/data; "
+        "trains the head with resumable checkpoints; writes the head (config.json + model.safetensors), "
+        "metrics.jsonl and loss.png into DIR. See docs/speculative.md, 'Training a head'.",
+    )
+    t.add_argument("--method", choices=["eagle", "eagle3"], default=d.method, help="head kind (default: %(default)s)")
+    t.add_argument("--target", required=True, metavar="CONFIG", help="model.yaml of the target (speculative_config ignored)")
+    t.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help="output folder, empty unless --resume (default: %(default)s, what examples/smollm2-eagle.yaml reads)")
+    t.add_argument("--prompts", default=d.prompts, metavar="self|FILE.jsonl",
+                   help='training prompts: "self" = the target writes its own questions (default), or JSON lines '
+                   'with a "prompt" string or "turns" list')
+    t.add_argument("--exclude", action="append", default=[], metavar="FILE.jsonl",
+                   help="evaluation prompts the training prompts must not overlap (repeatable), e.g. Spec-Bench's "
+                   "question.jsonl")
+    t.add_argument("--num-prompts", type=int, default=d.num_prompts, metavar="N", help="training prompts (default: %(default)s)")
+    t.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
+                   help="greedy answer tokens per prompt (default: %(default)s)")
+    t.add_argument("--epochs", type=int, default=d.epochs, metavar="N", help="passes over the data (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N", help="sequences per step (default: %(default)s)")
+    t.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps in all (smoke runs; the schedule still spans --epochs)")
+    t.add_argument("--warmup-steps", type=int, metavar="N", help="linear warm-up steps (default: 3%% of the schedule)")
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of prompts, initial weights, order, noise (default: %(default)s)")
+    t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size, metavar="N",
+                   help="EAGLE-3 draft vocabulary (most frequent answer tokens; default: %(default)s)")
+    t.add_argument("--layer-ids", type=_int_list, metavar="2,15,27", help="EAGLE-3 target layers (default: 2, L//2, L-3)")
+    t.add_argument("--save-every", type=int, default=d.save_every, metavar="N", help="checkpoint every N steps (default: %(default)s)")
+    t.add_argument("--resume", action="store_true", help="continue in DIR: reuse its data and its newest checkpoint")
+    t.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from specc.train import TrainSettings, train
+
+    settings = TrainSettings(
+        method=args.method, prompts=args.prompts, exclude=list(args.exclude), num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+        max_steps=args.max_steps, warmup_steps=args.warmup_steps, seed=args.seed,
+        draft_vocab_size=args.draft_vocab_size, layer_ids=args.layer_ids, save_every=args.save_every)
+    if not args.exclude:
+        print("specc: note: no --exclude: the training prompts are not checked against any evaluation set "
+              "(give the benchmark's question.jsonl to keep its numbers honest)", file=sys.stderr)
+    _set_threads(args.threads)
+    result = train(args.target, args.out, settings, resume=args.resume, progress=not args.no_progress)
+    final = result["final"] or {}
+    print(f"specc: wrote {result['head']} ({settings.method} head) after {result['steps']}/{result['total_steps']} "
+          f"steps; loss {final.get('loss', float('nan')):.4f}, top-1 agreement {final.get('acc', float('nan')):.2f}; "
+          f"metrics.jsonl, loss.png, checkpoints/ beside it")
     return 0
 
 

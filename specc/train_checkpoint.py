@@ -16,13 +16,13 @@ resume needs to continue exactly as an uninterrupted run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from specc.atomic import atomic_folder
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints"]
 
@@ -35,8 +35,7 @@ def save_checkpoint(folder: Path, step: int, head: torch.nn.Module, optimizer: t
 
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=folder))
-    try:
+    with atomic_folder(final) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
                   str(tmp / "head.safetensors"))
         sd = optimizer.state_dict()
@@ -44,12 +43,6 @@ def save_checkpoint(folder: Path, step: int, head: torch.nn.Module, optimizer: t
                    for i, st in sd["state"].items() for name, t in st.items()}
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": step, "param_groups": sd["param_groups"]}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

@@ -123,14 +123,15 @@ def load_dataset(
     return Dataset(name, select(prompts, categories, num_prompts))
 
 
-def read_jsonl(path: str | Path, spec_bench_groups: bool | None = None) -> list[BenchPrompt]:
-    """Read prompts from a JSONL file (module docstring: format). ``spec_bench_groups``:
-    fold MT-bench's categories into ``mt_bench`` (None: when the file holds any of
-    Spec-Bench's task categories)."""
+def jsonl_rows(path: str | Path):
+    """Yield ``("PATH:LINE", row)`` for every non-blank line of a JSONL file, each a JSON object.
+
+    Raises:
+        DatasetError: the file does not exist, a line is not JSON or not an object.
+    """
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
-    prompts = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -141,7 +142,15 @@ def read_jsonl(path: str | Path, spec_bench_groups: bool | None = None) -> list[
                 raise DatasetError(f"{path}:{n}: not JSON ({e})") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{n}: expected a JSON object per line")
-            prompts.append(_prompt_from_row(row, f"{path}:{n}", default_id=str(n)))
+            yield f"{path}:{n}", row
+
+
+def read_jsonl(path: str | Path, spec_bench_groups: bool | None = None) -> list[BenchPrompt]:
+    """Read prompts from a JSONL file (module docstring: format). ``spec_bench_groups``:
+    fold MT-bench's categories into ``mt_bench`` (None: when the file holds any of
+    Spec-Bench's task categories)."""
+    prompts = [_prompt_from_row(row, where, default_id=where.rsplit(":", 1)[1])
+               for where, row in jsonl_rows(path)]
     if not prompts:
         raise DatasetError(f"{path}: no prompts")
     if spec_bench_groups is None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from specc.datasets import BenchPrompt, read_jsonl
+from specc.datasets import BenchPrompt, DatasetError, jsonl_rows, read_jsonl
 
 __all__ = ["NGRAM", "normalize", "overlaps", "EvalFilter", "user_turn_prefix", "self_generated_prompts",
            "prepare_data", "Sequence", "load_sequences", "draft_vocabulary"]
@@ -87,17 +87,14 @@ def eval_texts(paths: list[str | Path]) -> list[str]:
     training prompt must not repeat a follow-up question either)."""
     texts = []
     for path in paths:
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--exclude {path}:{n}: not JSON ({e})") from None
-            turns = row.get("turns") if isinstance(row, dict) else None
-            texts += [t for t in turns if isinstance(t, str)] if isinstance(turns, list) else []
-            if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                texts.append(row["prompt"])
+        try:
+            for _, row in jsonl_rows(path):
+                turns = row.get("turns")
+                texts += [t for t in turns if isinstance(t, str)] if isinstance(turns, list) else []
+                if isinstance(row.get("prompt"), str):
+                    texts.append(row["prompt"])
+        except DatasetError as e:
+            raise DatasetError(f"--exclude {e}") from None
     return texts
 
 

@@ -20,6 +20,7 @@ from scipy.stats import chisquare
 
 from specc.kernels.rejection_sampler import rejection_sample
 from specc.kernels.tree_rejection_sampler import tree_rejection_sample
+from test_rejection_sampler import _logits_with_argmax
 
 V = 4
 P_MIN = 1e-3
@@ -35,19 +36,11 @@ def _greedy(logits, tokens, parents, nd=None):
                                  torch.rand(b, k), torch.rand(b))
 
 
-def _onehot_logits(argmaxes, vocab=10):
-    t = torch.zeros(len(argmaxes), len(argmaxes[0]), vocab)
-    for b, row in enumerate(argmaxes):
-        for i, a in enumerate(row):
-            t[b, i, a] = 5.0
-    return t
-
-
 def test_greedy_picks_deepest_matching_path():
     #      0            argmax at node: 0 -> 7, 1 -> 3, 2 -> 8, 3 -> 9, 4 -> 5
     #    1(7)  2(7)     two children carry 7: the second one leads deeper
     #    3(4)  4(8)
-    logits = _onehot_logits([[7, 3, 8, 9, 5]])
+    logits = _logits_with_argmax([[7, 3, 8, 9, 5]])
     tokens = torch.tensor([[7, 7, 4, 8]])
     parents = torch.tensor([[0, 0, 1, 2]])
     out = _greedy(logits, tokens, parents)
@@ -57,7 +50,7 @@ def test_greedy_picks_deepest_matching_path():
 
 
 def test_greedy_no_match_and_padding():
-    logits = _onehot_logits([[1, 2, 3, 4], [1, 2, 3, 4]])
+    logits = _logits_with_argmax([[1, 2, 3, 4], [1, 2, 3, 4]])
     tokens = torch.tensor([[5, 6, 7], [1, 2, 3]])
     parents = torch.tensor([[0, 0, 1], [0, 1, 2]])
     out = _greedy(logits, tokens, parents, nd=torch.tensor([3, 1]))  # row 1: nodes 2, 3 padding

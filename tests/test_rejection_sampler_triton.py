@@ -25,16 +25,10 @@ import torch
 from specc.kernels import rejection_sampler_triton as rst
 from specc.kernels.rejection_sampler import RejectionOutput, rejection_sample
 from specc.runtime.sampling import sample_from_probs
-from triton_modes import cuda_compiler_or_skip, device_or_skip, rerun_in_interpreter
+from triton_modes import cuda_compiler_or_skip, rerun_in_interpreter
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-def triton_device() -> torch.device:
-    """Device the Triton side runs on (CUDA, or CPU via the interpreter), else skip."""
-    return device_or_skip("rejection-sampling")
 
 
 @pytest.fixture

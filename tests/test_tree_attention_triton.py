@@ -17,15 +17,9 @@ from specc.kernels import tree_attention_triton as tat
 from specc.kernels.tree_attention import tree_attention
 from specc.passes.tree_mask import tree_attention_inputs
 from helpers import random_parents, random_tree_inputs
-from triton_modes import cuda_compiler_or_skip, device_or_skip, rerun_in_interpreter
+from triton_modes import cuda_compiler_or_skip, rerun_in_interpreter
 
 _TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-
-
-@pytest.fixture
-def triton_device() -> torch.device:
-    """Device the Triton side runs on (CUDA, or CPU via the interpreter), else skip."""
-    return device_or_skip("tree attention")
 
 
 @pytest.fixture

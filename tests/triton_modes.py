@@ -44,12 +44,12 @@ def run_mode() -> str:
     return "subprocess"
 
 
-def device_or_skip(kernel: str) -> torch.device:
-    """The device the Triton side of ``kernel`` runs on (CUDA, or CPU via the
-    interpreter), else skip the test with the reason."""
+def device_or_skip(where: str) -> torch.device:
+    """The device the Triton side of the tests in ``where`` runs on (CUDA, or CPU via the
+    interpreter), else skip the test with the reason (conftest's ``triton_device``)."""
     mode = run_mode()
     if mode == "none":
-        pytest.skip(f"{_NOT_INSTALLED}: the Triton {kernel} kernel cannot run ({TRITON_IMPORT_ERROR})")
+        pytest.skip(f"{_NOT_INSTALLED}: the Triton kernel of {where} cannot run ({TRITON_IMPORT_ERROR})")
     if mode == "subprocess":
         pytest.skip(f"no GPU: runs under Triton's interpreter in the child pytest of {SUBPROCESS_TEST}")
     return torch.device("cuda" if mode == "cuda" else "cpu")

@@ -105,7 +105,7 @@ def _reference_tree(tokens, k, lo, hi, cap=None):
     continuations of its most recent occurrences (``TREE_MAX_MATCHES``), every distinct
     path prefix counted, then nodes picked one by one among those whose parent path is
     picked: most continuations first, then the shallower, then the more recent first
-    occurrence. Returns ``([(path tuple, count)] in pick order, continuations)``."""
+    occurrence. Returns ``([(path tuple, count)] in pick order, number of continuations)``."""
     limit = k if cap is None else min(k, cap)
     if limit <= 0:
         return [], 0

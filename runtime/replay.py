@@ -191,8 +191,8 @@ class CompiledEngine(Engine):
 
     def _verify_tree(self, *args, **kwargs):
         raise NotImplementedError(
-            "compiled steps verify chains only: a tree proposal (suffix_decoding_propose_tree, or a proposer "
-            "that sets Proposal.parents) needs the eager path; set enforce_eager: true")
+            "compiled steps verify chains only: a tree proposal (suffix_decoding_propose_tree, ngram_propose_tree, "
+            "or a proposer that sets Proposal.parents) needs the eager path; set enforce_eager: true")
 
     def _run_group(self, reqs, batch, rows, drafts, nd, uniforms, slot0):
         n, k, dev = len(reqs), self.k, self.cache.device

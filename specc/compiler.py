@@ -76,9 +76,10 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
             f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix' and for "
             "non-speculative decoding so far; set enforce_eager: true (specc generate/bench/profile: "
             "--enforce-eager) to run this method on the eager path", label)
-    if method == "suffix" and config.speculative_config.suffix_decoding_propose_tree:
+    tree_field = config.speculative_config.tree_field if config.speculative_config else None
+    if tree_field is not None:
         raise ConfigError(
-            "speculative_config.suffix_decoding_propose_tree = true: tree proposals are verified on the eager "
+            f"speculative_config.{tree_field} = true: tree proposals are verified on the eager "
             "path only so far (the compiled spec_step verifies chains); set enforce_eager: true "
             "(specc generate/bench/profile: --enforce-eager), or drop the option for chain drafts", label)
     if config.device == "npu":

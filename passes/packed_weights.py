@@ -65,10 +65,11 @@ def lower_packed(ep: torch.export.ExportedProgram, constants: dict[str, torch.Te
         path: the ``.pt2`` to write.
 
     Returns:
-        ``{fqn: {"source": constant name, "transpose": bool, "packed": bool}}`` for every
-        constant of the package that freezing made (packed weights, and plain ones it
-        folded, such as a transposed copy of a tied embedding); the other fqns are
-        artifact constant names.
+        ``{fqn: {"source": constant name, "transpose": bool, "packed": bool[, "stride"]}}``
+        for every constant of the package that freezing made (packed weights, and plain
+        ones it folded, such as the transposed view of a tied embedding that the gather
+        reads: ``stride`` is the layout the compiled code indexes it with); the other fqns
+        are artifact constant names.
 
     Raises:
         RuntimeError: a frozen constant matches no artifact constant, transposed or not
@@ -103,6 +104,8 @@ def lower_packed(ep: torch.export.ExportedProgram, constants: dict[str, torch.Te
                 f"constant {fqn} {tuple(t.shape)} of the frozen program matches no program constant: Inductor "
                 "folded a computed value the artifact cannot rebuild at load; lower this program without packing")
         out[fqn] = {"source": hit[0], "transpose": hit[1], "packed": bool(t.is_mkldnn)}
+        if not t.is_mkldnn:  # the compiled code indexes it with these strides
+            out[fqn]["stride"] = list(t.stride())
     return out
 
 
@@ -112,19 +115,32 @@ class PackedWeights:
 
     ``get(entry, tensor)`` for an entry of :func:`lower_packed`'s map: ``tensor``
     (transposed when ``entry["transpose"]``), as ``mkldnn._reorder_linear_weight`` packs it
-    (an opaque oneDNN tensor of the same logical shape) when ``entry["packed"]``, else as a
-    contiguous copy. The same entry always returns the same tensor (the programs bind it
-    user-managed: they hold a pointer, so this object must outlive them).
+    (an opaque oneDNN tensor of the same logical shape) when ``entry["packed"]``, else with
+    the entry's strides (the transposed view itself when they match, no copy). The same
+    entry always returns the same tensor (the programs bind it user-managed: they hold a
+    pointer, so this object must outlive them).
+
+    Raises:
+        ValueError: a plain entry's strides can be met neither by the view nor by a
+            contiguous copy.
     """
 
     def __init__(self) -> None:
         self._packed: dict[tuple[str, bool, bool], torch.Tensor] = {}
 
     def get(self, entry: dict[str, Any], tensor: torch.Tensor) -> torch.Tensor:
-        key = (entry["source"], bool(entry["transpose"]), bool(entry.get("packed", True)))
+        stride = tuple(entry.get("stride", ()))
+        key = (entry["source"], bool(entry["transpose"]), bool(entry["packed"]), stride)
         if key not in self._packed:
-            w = (tensor.t() if key[1] else tensor).contiguous()
-            self._packed[key] = torch.ops.mkldnn._reorder_linear_weight(w, 1) if key[2] else w
+            w = tensor.t() if key[1] else tensor
+            if key[2]:
+                w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+            elif w.stride() != stride:
+                w = w.contiguous()
+                if w.stride() != stride:
+                    raise ValueError(f"constant {entry['source']}: the program expects strides {stride}, "
+                                     f"got {w.stride()}")
+            self._packed[key] = w
         return self._packed[key]
 
     def __len__(self) -> int:

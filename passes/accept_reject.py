@@ -88,6 +88,7 @@ def accept_reject_outputs(
     *,
     num_speculative_tokens: int,
     max_logprobs: int,
+    branch_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One speculative step's accept/reject and logprobs from the verify logits.
 
@@ -104,6 +105,8 @@ def accept_reject_outputs(
         top_p: ``[B]`` float32, ``1.0`` = off.
         num_speculative_tokens: ``k >= 0``.
         max_logprobs: number of top alternatives returned per position, ``0..V``.
+        branch_free: no ``torch.cond`` in the traced graph (CUDA-graph programs; see
+            :func:`~specc.runtime.sampling.process_logits`).
 
     Returns:
         ``(output_token_ids [B, T] int64, num_accepted [B] int64,
@@ -127,7 +130,7 @@ def accept_reject_outputs(
 
     processed = process_logits(
         logits.reshape(rows, vocab), per_position(temperature), per_position(top_k),
-        per_position(top_p),
+        per_position(top_p), branch_free=branch_free,
     )
     result = rejection_sample(
         processed.view(bsz, t, vocab),
@@ -150,15 +153,16 @@ class _AcceptReject(torch.nn.Module):
     """:func:`accept_reject_outputs` as a module, for tracing; the argument names become
     the guest graph's placeholder names."""
 
-    def __init__(self, num_speculative_tokens: int, max_logprobs: int) -> None:
+    def __init__(self, num_speculative_tokens: int, max_logprobs: int, branch_free: bool = False) -> None:
         super().__init__()
         self.k = num_speculative_tokens
         self.max_logprobs = max_logprobs
+        self.branch_free = branch_free
 
     def forward(self, logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p):
         return accept_reject_outputs(logits, input_ids, num_draft_tokens, uniforms, temperature,
                                      top_k, top_p, num_speculative_tokens=self.k,
-                                     max_logprobs=self.max_logprobs)
+                                     max_logprobs=self.max_logprobs, branch_free=self.branch_free)
 
 
 def _meta_val(node: fx.Node, what: str) -> torch.Tensor:
@@ -170,7 +174,7 @@ def _meta_val(node: fx.Node, what: str) -> torch.Tensor:
 
 
 def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
-                       max_logprobs: int) -> fx.GraphModule:
+                       max_logprobs: int, branch_free: bool = False) -> fx.GraphModule:
     """Append the accept/reject of :func:`accept_reject_outputs` to a verify graph.
 
     Args:
@@ -181,6 +185,8 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
         num_speculative_tokens: ``k >= 0``.
         max_logprobs: top alternatives per position (``0..V``), e.g.
             :data:`specc.sampling_params.MAX_LOGPROBS`.
+        branch_free: splice a graph without ``torch.cond`` (programs replayed as CUDA
+            graphs; :func:`~specc.runtime.sampling.process_logits`).
 
     Returns:
         ``gm``, with the placeholders :data:`ACCEPT_REJECT_INPUTS` appended in order —
@@ -234,7 +240,7 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
                                                  {"dtype": torch.float32})
     else:
         logits_node = outs[0]
-    guest = export_flat(_AcceptReject(k, int(max_logprobs)), example)
+    guest = export_flat(_AcceptReject(k, int(max_logprobs), branch_free), example)
     inputs: dict[str, fx.Node | str] = {"logits": logits_node, "input_ids": phs[0]}
     inputs.update({name: name for name in ACCEPT_REJECT_INPUTS})
     results = splice(gm, guest, inputs)

@@ -16,7 +16,9 @@ two device parts replaced:
   ``[B, 2k + 1]``, so a compiled step consumes each request's random stream exactly as
   the eager step does (per-request seeds give the same tokens on both paths).
 
-Only the returned tokens, counts and logprobs come back to the host.
+Only the returned tokens, counts and logprobs come back to the host. On a CUDA device
+the step programs replay as CUDA graphs captured when the engine is built, one per kv_len
+bucket (:mod:`specc.runtime.cuda_graphs`); prefill runs its program directly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from specc.artifact import Artifact, WEIGHTS
 from specc.compiler import KV_LEN_ALIGN
 from specc.models.kv_cache import KVCache
 from specc.passes.packed_weights import PackedWeights, bind_constants
+from specc.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.engine import Engine
 from specc.runtime.request import Request
@@ -139,6 +142,8 @@ class CompiledEngine(Engine):
         self.programs = programs
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._key_cache: dict[int, torch.Tensor] = {}
+        # on CUDA the step programs replay as CUDA graphs captured here (runtime/cuda_graphs.py)
+        self.graphs = StepGraphs.shared(programs, kv_cache, self._kv) if use_cuda_graphs(kv_cache.device) else None
 
     def _kv(self, start: int, n: int) -> tuple[torch.Tensor, ...]:
         """Flat per-layer views of slots ``start..start+n-1`` (cached: the views are fixed)."""
@@ -212,16 +217,21 @@ class CompiledEngine(Engine):
                           torch.full((b, width), self.cache.trash_pos))
         u = uniforms if spec else uniforms[:, 2 * k:2 * k + 1]
         u = torch.cat([u, u.new_zeros(pad, u.shape[1])])
+        needed = int((start + nd_full).max()) + 1  # keys [0, needed) are read
         values = {
-            "input_ids": ids, "positions": pos, "key_positions": self._keys(int((start + nd_full).max()) + 1),
+            "input_ids": ids, "positions": pos,
             "num_draft_tokens": nd_full, "uniforms": u,
             "temperature": _pad(batch.temperature[rows], pad), "top_k": _pad(batch.top_k[rows], pad),
             "top_p": _pad(batch.top_p[rows], pad, 1.0), "num_rows": torch.tensor(n),
         }
-        kv = iter(self._kv(slot0, b))
-        args = [next(kv) if name.startswith("kv_") else values[name].to(dev) for name in prog.inputs]
         with stage(f"specc.verify[{width}]"):  # verify + accept/reject, one program
-            out_ids, num_acc, tok_lp, top_ids, top_lp = prog.runner(*args)
+            if self.graphs is not None:
+                out_ids, num_acc, tok_lp, top_ids, top_lp = self.graphs(prog, slot0, values, needed)
+            else:
+                values["key_positions"] = self._keys(needed)
+                kv = iter(self._kv(slot0, b))
+                args = [next(kv) if name.startswith("kv_") else values[name].to(dev) for name in prog.inputs]
+                out_ids, num_acc, tok_lp, top_ids, top_lp = prog.runner(*args)
         return (out_ids[:n].tolist(), num_acc[:n].tolist(),
                 (tok_lp[:n].cpu(), top_ids[:n].cpu(), top_lp[:n].cpu()))
 

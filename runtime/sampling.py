@@ -167,6 +167,8 @@ def process_logits(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    *,
+    branch_free: bool = False,
 ) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p to a batch of logits.
 
@@ -175,6 +177,9 @@ def process_logits(
         temperature: ``[N]`` float32; ``<= 0`` (i.e. 0) = greedy row.
         top_k: ``[N]`` int64; ``<= 0`` = off.
         top_p: ``[N]`` float32 in ``(0, 1]``; ``1.0`` = off.
+        branch_free: under tracing, always run the full-sort path (masked per row)
+            instead of a ``torch.cond``: a CUDA graph cannot hold a data-dependent branch
+            (the predicate is read on the host), and on a GPU the sort is cheap. Same result.
 
     Returns:
         ``[N, V]`` float32 processed logits: ``logits / temperature`` with the entries
@@ -204,7 +209,9 @@ def process_logits(
     top_p = top_p.to(torch.float32)
     needs_filter = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
 
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and branch_free:
+        processed = _filtered(scaled, top_k, top_p, needs_filter)
+    elif torch.compiler.is_compiling():
         # the full sort costs ~20 ms per 5 rows of 49k on one CPU core: skip it (torch.cond,
         # a graph-level branch) on the common steps where no row filters
         processed = torch.cond(needs_filter.any(), _filtered, _unfiltered,

@@ -194,7 +194,8 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
         gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
         apply_linear_passes(gm, linear_passes)
         k = t - 1
-        gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS)
+        # CUDA programs are replayed as CUDA graphs: no data-dependent branch (runtime/cuda_graphs.py)
+        gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, branch_free=dev == "cuda")
         gm = pad_rows(gm, trash_pos=S)
     extra = step_example_inputs(b, k, dev)
     names = list(placeholders(gm))

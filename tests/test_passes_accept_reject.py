@@ -232,6 +232,25 @@ def test_fused_toy_equals_reference(k):
     assert accepted_any or k == 0
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_branch_free_has_no_cond_and_equals_reference(k):
+    """``branch_free=True`` (programs replayed as CUDA graphs): no ``torch.cond`` in the
+    graph (its predicate would be read on the host inside a capture), same outputs."""
+    original, _ = _toy_graphs(k)
+    fused = fuse_accept_reject(copy.deepcopy(original), num_speculative_tokens=k, max_logprobs=TOY_LOGPROBS,
+                               branch_free=True)
+    conds = [n for n in fused.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert not conds
+    assert any(n.target is torch.ops.higher_order.cond for n in _toy_graphs(k)[1].graph.nodes)
+    for scenario in SCENARIOS:
+        ids, nd, uniforms = _toy_inputs(k, 0)
+        temperature, top_k, top_p = _params(scenario)
+        (logits,) = original(ids)
+        want = accept_reject_outputs(logits, ids, nd, uniforms, temperature, top_k, top_p,
+                                     num_speculative_tokens=k, max_logprobs=TOY_LOGPROBS)
+        _assert_same(fused(ids, nd, uniforms, temperature, top_k, top_p), want)
+
+
 def test_fuse_rejects_bad_graphs():
     toy = Toy().eval().requires_grad_(False)
     gm = export_flat(toy, (torch.zeros(2, 3, dtype=torch.int64),))

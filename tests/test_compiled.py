@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import drafter_spec, greedy, make_session
+from helpers import drafter_spec, forbid_compiling, greedy, make_session
 from specc import SamplingParams, Session
 from specc.artifact import ArtifactError, open_artifact, program_config_diff, write_artifact
 from specc.compiler import compile_artifact, plan_programs
@@ -107,12 +107,7 @@ def test_manifest_lists_every_program_and_file(artifact):
 
 
 def test_opening_does_not_trace_or_compile(artifact, monkeypatch, pool):
-    def refuse(*a, **k):
-        raise AssertionError("opening an artifact must not trace or compile")
-
-    monkeypatch.setattr(torch.export, "export", refuse)
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
-    monkeypatch.setattr(torch, "compile", refuse)
+    forbid_compiling(monkeypatch)
     s = Session(str(artifact), verbose=False)
     assert s.compiled and isinstance(s.engine, CompiledEngine)
     assert s.generate([pool[0][0]], greedy(3))[0].finish_reason == "length"

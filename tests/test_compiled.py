@@ -301,8 +301,8 @@ def test_config_compiles_on_first_use_then_reuses(tiny_llama_dir, artifact, tmp_
     assert len(calls) == 1 and calls[0].parent == tmp_path / "cache" / "compiled"
     (calls[0] / "programs" / "decode_b1.pt2").write_bytes(b"truncated")  # a damaged cache entry is rebuilt
     assert Session(cfg, verbose=False).compiled and len(calls) == 2
-    with pytest.raises(Exception, match="enforce_eager: true"):
-        Session(dict(cfg, speculative_config=drafter_spec("early_exit", 2)), verbose=False)
+    with pytest.raises(Exception, match="enforce_eager: true"):  # a separate draft model: eager only
+        Session(dict(cfg, speculative_config=drafter_spec("draft_model", 2, tiny_llama_dir)), verbose=False)
 
 
 def test_write_is_atomic(tmp_path):

@@ -179,3 +179,15 @@ def test_separate_draft_model_not_compilable(tiny_llama_dir):
     cfg = load_config({"target": "x", "speculative_config": drafter_spec("draft_model", K, tiny_llama_dir)})
     with pytest.raises(ConfigError, match="separate draft model.*enforce_eager"):
         check_compilable(cfg)
+
+
+def test_num_draft_layers_is_a_program_field(tiny_llama_dir):
+    """An artifact is built for one N: another N is a stale artifact; configs without
+    early exit keep the program fields (and compile-cache keys) they had."""
+    from specc.artifact import program_config, program_config_diff
+
+    one = load_config({"target": "x", "speculative_config": drafter_spec("early_exit", K)}).to_dict()
+    two = load_config({"target": "x", "speculative_config": drafter_spec("early_exit", K, num_draft_layers=2)})
+    assert program_config_diff(one, two.to_dict())[0].startswith("speculative_config:")
+    ngram = load_config({"target": "x", "speculative_config": drafter_spec("ngram", K)}).to_dict()
+    assert program_config(ngram)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": K}

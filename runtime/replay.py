@@ -33,6 +33,7 @@ import torch
 from specc.artifact import Artifact, WEIGHTS
 from specc.compiler import KV_LEN_ALIGN
 from specc.models.kv_cache import KVCache
+from specc.passes.packed_weights import PackedWeights, bind_constants
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.engine import Engine
 from specc.runtime.request import Request
@@ -61,6 +62,8 @@ class ProgramSet:
         buckets: sorted batch buckets; k: draft tokens per spec step (0 without speculation).
         drafts_in_graph: the spec steps draft inside the program (early exit) and take no
             draft tokens.
+        packed: the oneDNN-packed copies of the weights that bf16/fp16 CPU programs bind
+            (:mod:`specc.passes.packed_weights`), one per weight, kept alive here.
         weights: ``{stored name: tensor}``, kept alive here: the programs bind them
             user-managed (they hold pointers, not references).
 
@@ -78,10 +81,10 @@ class ProgramSet:
         self.prefill: _Program | None = None
         self.decode: dict[int, _Program] = {}
         self.spec_step: dict[int, _Program] = {}
+        self.packed = PackedWeights()  # oneDNN-packed weights (bf16/fp16 CPU programs), shared
         for p in m["programs"]:
             runner = torch._inductor.aoti_load_package(str(artifact.path(p["file"])))
-            runner.load_constants({f: constants[f] for f in runner.get_constant_fqns()},
-                                  check_full_update=True, user_managed=True)
+            bind_constants(runner, constants, p.get("packed_constants"), self.packed)
             prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner,
                             bool(p.get("draft_layers")))
             if p["kind"] == "prefill":
@@ -207,8 +210,8 @@ class CompiledEngine(Engine):
 
     def _verify_tree(self, *args, **kwargs):
         raise NotImplementedError(
-            "compiled steps verify chains only: a tree proposal (suffix_decoding_propose_tree, or a proposer "
-            "that sets Proposal.parents) needs the eager path; set enforce_eager: true")
+            "compiled steps verify chains only: a tree proposal (suffix_decoding_propose_tree, ngram_propose_tree, "
+            "or a proposer that sets Proposal.parents) needs the eager path; set enforce_eager: true")
 
     def _run_group(self, reqs, batch, rows, drafts, nd, uniforms, slot0):
         n, k, dev = len(reqs), self.k, self.cache.device

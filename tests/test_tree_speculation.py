@@ -1,7 +1,7 @@
 """Tree speculation on the eager engine (issue #6).
 
 * greedy output equals non-speculative greedy with suffix-decoding trees
-  (``suffix_decoding_propose_tree``) and with a static tree (vLLM's
+  (``suffix_decoding_propose_tree``), n-gram trees (``ngram_propose_tree``) and with a static tree (vLLM's
   ``speculative_token_tree`` format) filled by an oracle whose true token sits at a
   non-first child, so accepted paths leave the first-child chain and KV compaction moves
   entries; batches where every row has its own tree;
@@ -134,11 +134,18 @@ def test_static_tree_oracle_greedy_and_compaction(tiny_llama_dir, base):
     assert max(max(o.metrics.tokens_per_step) for o in outs) == 4
 
 
-@pytest.mark.parametrize("max_cached", [0, 100])
-def test_suffix_trees_greedy_equals_nonspec(tiny_llama_dir, base, max_cached):
-    spec = drafter_spec("suffix", K, suffix_decoding_propose_tree=True,
-                        suffix_decoding_max_cached_requests=max_cached)
-    session = make_session(tiny_llama_dir, spec)
+TREE_SPECS = {
+    "suffix_own_trees": drafter_spec("suffix", K, suffix_decoding_propose_tree=True,
+                                     suffix_decoding_max_cached_requests=0),
+    "suffix_global_tree": drafter_spec("suffix", K, suffix_decoding_propose_tree=True,
+                                       suffix_decoding_max_cached_requests=100),
+    "ngram": drafter_spec("ngram", K, ngram_propose_tree=True),
+}
+
+
+@pytest.mark.parametrize("drafter", list(TREE_SPECS))
+def test_tree_drafters_greedy_equal_nonspec(tiny_llama_dir, base, drafter):
+    session = make_session(tiny_llama_dir, TREE_SPECS[drafter])
     proposals = []
     orig = session.proposer.propose
 
@@ -154,7 +161,7 @@ def test_suffix_trees_greedy_equals_nonspec(tiny_llama_dir, base, max_cached):
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     branching = [p for p in proposals if p.parents is not None and any(
         not TokenTree(tuple(row[:n].tolist())).is_chain for row, n in zip(p.parents, p.num_draft_tokens))]
-    assert branching, "the suffix drafter proposed no branching tree"
+    assert branching, f"the {drafter} drafter proposed no branching tree"
     assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
 
 
@@ -170,12 +177,18 @@ def test_chain_as_tree_is_identical(tiny_llama_dir, params):
     assert [o.metrics.tokens_per_step for o in a] == [o.metrics.tokens_per_step for o in b]
 
 
-def test_compiler_refuses_tree_proposals(tiny_llama_dir):
-    tree_spec = drafter_spec("suffix", K, suffix_decoding_propose_tree=True)
-    with pytest.raises(ConfigError, match="enforce_eager"):
+@pytest.mark.parametrize("method,field", [("suffix", "suffix_decoding_propose_tree"),
+                                          ("ngram", "ngram_propose_tree")])
+def test_compiler_refuses_tree_proposals(tiny_llama_dir, method, field):
+    tree_spec = drafter_spec(method, K, **{field: True})
+    with pytest.raises(ConfigError) as refused:
         check_compilable(load_config({"target": "x", "speculative_config": tree_spec}))
-    check_compilable(load_config({"target": "x", "speculative_config": drafter_spec("suffix", K)}))
-    with pytest.raises(ConfigError, match="suffix_decoding_propose_tree.*enforce_eager"):
+    # one message for every tree switch, naming it
+    assert str(refused.value).startswith(f"speculative_config.{field} = true: tree proposals are verified on "
+                                         "the eager path only so far (the compiled spec_step verifies chains); "
+                                         "set enforce_eager: true")
+    check_compilable(load_config({"target": "x", "speculative_config": drafter_spec(method, K)}))
+    with pytest.raises(ConfigError, match=f"{field}.*enforce_eager"):
         make_session(tiny_llama_dir, tree_spec, enforce_eager=False)  # refused before compiling
 
 

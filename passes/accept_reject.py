@@ -14,8 +14,9 @@ graph, so the compiled program returns only those small tensors:
 2. ``processed = process_logits`` over the ``B * T`` rows, each row with its request's
    temperature / top-k / top-p (under tracing the top-k/top-p sort sits behind a
    ``torch.cond`` that skips it when no row filters);
-3. :func:`specc.kernels.rejection_sampler.rejection_sample` with a deterministic drafter
-   (``draft_probs=None``), ``is_greedy = greedy_mask(temperature)``, the accept-test
+3. :func:`specc.kernels.rejection_sampler.rejection_sample` with the drafter's ``q``
+   (``draft_probs``; None = a deterministic drafter, q one-hot),
+   ``is_greedy = greedy_mask(temperature)``, the accept-test
    uniforms ``uniforms[:, k:2k]`` and the recovered/bonus uniform ``uniforms[:, 2k]``
    (the engine's ``[B, 2k + 1]`` layout; columns ``0..k-1`` belong to a sampling drafter
    and are not read here);
@@ -24,6 +25,13 @@ graph, so the compiled program returns only those small tensors:
 
 ``k = 0`` (``T = 1``, ``uniforms [B, 1]``) is the non-speculative decode program: no
 drafts, the one emitted token is the greedy argmax or a sample with ``uniforms[:, 0]``.
+
+Two kinds of verify graph are accepted. A host-draft verify returns ``(logits,)`` and its
+first placeholder ``input_ids`` holds ``[last, d_1..d_k]``. A draft-then-verify graph
+(:class:`specc.runtime.programs.EarlyExitStepProgram`: the drafts are made inside)
+returns ``(logits, verified_ids, draft_probs)``; its own ``uniforms`` / ``temperature``
+/ ``top_k`` / ``top_p`` placeholders (the draft loop reads them) are shared with the
+accept/reject, and ``q = draft_probs`` is used for the accept test and the residual.
 
 The computation is the plain function :func:`accept_reject_outputs`; the pass traces it
 (``export_flat``) and splices it into the program with :mod:`specc.passes.splice`.
@@ -89,6 +97,7 @@ def accept_reject_outputs(
     num_speculative_tokens: int,
     max_logprobs: int,
     branch_free: bool = False,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One speculative step's accept/reject and logprobs from the verify logits.
 
@@ -107,6 +116,8 @@ def accept_reject_outputs(
         max_logprobs: number of top alternatives returned per position, ``0..V``.
         branch_free: no ``torch.cond`` in the traced graph (CUDA-graph programs; see
             :func:`~specc.runtime.sampling.process_logits`).
+        draft_probs: ``[B, k, V]`` float32, the drafter's processed distribution q at
+            each draft, or None (deterministic drafter: q one-hot).
 
     Returns:
         ``(output_token_ids [B, T] int64, num_accepted [B] int64,
@@ -136,7 +147,7 @@ def accept_reject_outputs(
         processed.view(bsz, t, vocab),
         input_ids[:, 1:],
         num_draft_tokens,
-        None,
+        draft_probs,
         greedy_mask(temperature),
         uniforms[:, k : 2 * k],
         uniforms[:, 2 * k],
@@ -159,10 +170,12 @@ class _AcceptReject(torch.nn.Module):
         self.max_logprobs = max_logprobs
         self.branch_free = branch_free
 
-    def forward(self, logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p):
+    def forward(self, logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p,
+                draft_probs=None):
         return accept_reject_outputs(logits, input_ids, num_draft_tokens, uniforms, temperature,
                                      top_k, top_p, num_speculative_tokens=self.k,
-                                     max_logprobs=self.max_logprobs, branch_free=self.branch_free)
+                                     max_logprobs=self.max_logprobs, branch_free=self.branch_free,
+                                     draft_probs=draft_probs)
 
 
 def _meta_val(node: fx.Node, what: str) -> torch.Tensor:
@@ -178,10 +191,12 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
     """Append the accept/reject of :func:`accept_reject_outputs` to a verify graph.
 
     Args:
-        gm: flat graph (``export_flat``) whose first placeholder is ``input_ids``
-            ``[B, T]`` int64 with ``T = num_speculative_tokens + 1`` and whose output is
-            ``(logits [B, T, V],)``; shapes are read from ``meta["val"]``. Modified in
-            place (and returned).
+        gm: flat graph (``export_flat``) whose first placeholder is ``input_ids``. Either
+            a host-draft verify: ``input_ids`` ``[B, T]`` int64 with
+            ``T = num_speculative_tokens + 1`` and output ``(logits [B, T, V],)``; or a
+            draft-then-verify graph returning ``(logits [B, T, V], verified_ids [B, T]
+            int64, draft_probs [B, T - 1, V] float32)`` (module docstring). Shapes are
+            read from ``meta["val"]``. Modified in place (and returned).
         num_speculative_tokens: ``k >= 0``.
         max_logprobs: top alternatives per position (``0..V``), e.g.
             :data:`specc.sampling_params.MAX_LOGPROBS`.
@@ -189,7 +204,7 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
             graphs; :func:`~specc.runtime.sampling.process_logits`).
 
     Returns:
-        ``gm``, with the placeholders :data:`ACCEPT_REJECT_INPUTS` appended in order —
+        ``gm``, with the placeholders :data:`ACCEPT_REJECT_INPUTS` it lacks appended in order —
         ``num_draft_tokens [B]`` int64, ``uniforms [B, 2k + 1]`` float32,
         ``temperature [B]`` float32, ``top_k [B]`` int64, ``top_p [B]`` float32 — and
         returning :data:`ACCEPT_REJECT_OUTPUTS` (shapes as in
@@ -208,9 +223,11 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
         raise ValueError("fuse_accept_reject needs a graph whose first placeholder is input_ids, "
                          f"got {[n.name for n in phs[:1]]}")
     outs = output_values(gm)
-    if len(outs) != 1 or not isinstance(outs[0], fx.Node):
-        raise ValueError(f"fuse_accept_reject needs a graph returning (logits,), got {len(outs)} outputs")
-    ids_val = _meta_val(phs[0], "input_ids")
+    if len(outs) not in (1, 3) or not all(isinstance(o, fx.Node) for o in outs):
+        raise ValueError("fuse_accept_reject needs a graph returning (logits,) or (logits, verified_ids, "
+                         f"draft_probs), got {len(outs)} outputs")
+    ids_node, q_node = (phs[0], None) if len(outs) == 1 else outs[1:]
+    ids_val = _meta_val(ids_node, "input_ids")
     logits_val = _meta_val(outs[0], "logits")
     if logits_val.dim() != 3 or not logits_val.dtype.is_floating_point:
         raise ValueError(f"logits must be a float [B, T, V] tensor, got {logits_val.dtype} "
@@ -218,6 +235,9 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
     bsz, t, vocab = (int(s) for s in logits_val.shape)
     if tuple(ids_val.shape) != (bsz, t):
         raise ValueError(f"input_ids {list(ids_val.shape)} and logits {list(logits_val.shape)} disagree")
+    if q_node is not None and tuple(_meta_val(q_node, "draft_probs").shape) != (bsz, t - 1, vocab):
+        raise ValueError(f"draft_probs must be [B, T - 1, V] = {[bsz, t - 1, vocab]}, got "
+                         f"{list(q_node.meta['val'].shape)}")
     if t != k + 1:
         raise ValueError(f"the graph verifies T = {t} tokens per row; num_speculative_tokens = {k} "
                          f"needs T = {k + 1}")
@@ -240,9 +260,13 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
                                                  {"dtype": torch.float32})
     else:
         logits_node = outs[0]
+    inputs: dict[str, fx.Node | str] = {"logits": logits_node, "input_ids": ids_node}
+    if q_node is not None:
+        example += (torch.zeros(bsz, k, vocab, dtype=torch.float32, device=dev),)
+        inputs["draft_probs"] = q_node
     guest = export_flat(_AcceptReject(k, int(max_logprobs), branch_free), example)
-    inputs: dict[str, fx.Node | str] = {"logits": logits_node, "input_ids": phs[0]}
-    inputs.update({name: name for name in ACCEPT_REJECT_INPUTS})
+    by_name = {n.name: n for n in phs}  # inputs the draft loop already reads are shared
+    inputs.update({name: by_name.get(name, name) for name in ACCEPT_REJECT_INPUTS})
     results = splice(gm, guest, inputs)
     output_node(gm.graph).args = (tuple(results),)
     gm.graph.lint()

@@ -15,6 +15,10 @@ and token widths stay static per bucket.
   the body of ``spec_step[b]``. :mod:`specc.passes.accept_reject` then appends the
   on-device accept/reject, so the compiled program returns tokens, not logits.
 * :class:`PrefillProgram` — one prompt chunk ``[1, t]`` in, the logits at one index out.
+* :class:`EarlyExitStepProgram` — the draft-then-verify body of ``spec_step[b]`` for an
+  early-exit drafter: k draft steps through the target's first N layers, then the
+  verify of ``[last, d_1..d_k]``; returns the logits, the verified ids and the drafter's
+  q, which :mod:`specc.passes.accept_reject` turns into tokens on the device.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from torch import nn
 
 from specc.models.kv_cache import KVCache
 from specc.models.llama import LlamaForCausalLM
+from specc.runtime.sampling import greedy_mask, sample_draft
 
-__all__ = ["VerifyProgram", "PrefillProgram", "flat_kv", "kv_view"]
+__all__ = ["VerifyProgram", "PrefillProgram", "EarlyExitStepProgram", "flat_kv", "kv_view"]
 
 
 def flat_kv(cache: KVCache) -> tuple[torch.Tensor, ...]:
@@ -86,3 +91,51 @@ class PrefillProgram(nn.Module):
         # compiler drops them), which saves t - 1 rows of the vocabulary GEMM
         h = out.hidden_states[n].index_select(1, last_index)
         return model.lm_head(model.model.norm(h)).float().squeeze(1)
+
+
+class EarlyExitStepProgram(nn.Module):
+    """Draft-then-verify for an early-exit drafter (the target's first ``num_draft_layers``
+    layers + final norm + lm_head over the shared cache), as one traced forward.
+
+    The draft loop is :meth:`specc.runtime.drafters.draft_model.DraftModelProposer.propose`
+    for a shared cache, unrolled: step ``s`` feeds the last token (``s = 0``) or draft
+    ``d_s`` at position ``start + s`` (the trash position from ``max_model_len`` on),
+    writes the first N layers' K/V there and draws ``d_{s+1}`` with
+    :func:`~specc.runtime.sampling.sample_draft` from ``uniforms[:, s]`` (greedy rows: the
+    argmax). The verify then rewrites every layer's K/V at the verified positions, so the
+    drafter keeps no state between steps.
+
+    forward(input_ids ``[b, 1]`` int64 (each row's last token), positions ``[b, k + 1]``
+    int64 (the verify positions: ``start + i`` for ``i <= num_draft_tokens``, the trash
+    position after; column 0 is the last token's, where drafting starts), kv,
+    key_positions ``[kv_len]`` (``kv_len`` must cover ``start + k`` for the draft steps),
+    uniforms ``[b, 2k + 1]`` float32 (columns ``0..k-1`` are the drafter's), temperature,
+    top_k, top_p ``[b]``) -> ``(logits [b, k + 1, V] float32, verified ids [b, k + 1]
+    int64 = [last, d_1..d_k], draft_probs [b, k, V] float32)``.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, max_model_len: int, num_draft_layers: int,
+                 num_speculative_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.max_model_len = max_model_len
+        self.num_draft_layers = num_draft_layers
+        self.k = num_speculative_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                key_positions: torch.Tensor | None, uniforms: torch.Tensor, temperature: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor):
+        cache, kv_len, limit = kv_view(kv, self.max_model_len), _kv_len(key_positions), self.max_model_len
+        is_greedy = greedy_mask(temperature)
+        tok, pos = input_ids, positions[:, :1]
+        drafts, probs = [input_ids], []
+        for step in range(self.k):
+            logits = self.model(tok, pos, cache, kv_len=kv_len, num_layers=self.num_draft_layers).logits[:, 0]
+            draft, q = sample_draft(logits, temperature, top_k, top_p, is_greedy, uniforms[:, step])
+            tok = draft[:, None]
+            drafts.append(tok)
+            probs.append(q)
+            pos = (positions[:, :1] + step + 1).clamp_max(limit)  # trash position from the limit on
+        ids = torch.cat(drafts, dim=1)
+        logits = self.model(ids, positions, cache, kv_len=kv_len).logits
+        return logits, ids, torch.stack(probs, dim=1)

@@ -15,6 +15,10 @@ two device parts replaced:
   else ``decode_b{b}``. Drafts are padded to k and the uniforms keep the eager layout
   ``[B, 2k + 1]``, so a compiled step consumes each request's random stream exactly as
   the eager step does (per-request seeds give the same tokens on both paths).
+  An early-exit artifact's ``spec_step`` drafts itself (``draft_layers`` in the manifest):
+  it takes the last tokens only, draws its drafts from ``uniforms[:, :k]`` on the device,
+  and the proposer is the :class:`~specc.runtime.drafters.in_graph.InGraphDrafter`
+  stand-in, which supplies the per-row draft caps.
 
 Only the returned tokens, counts and logprobs come back to the host. On a CUDA device
 the step programs replay as CUDA graphs captured when the engine is built, one per kv_len
@@ -49,6 +53,7 @@ class _Program:
     tokens: int
     inputs: list[str]
     runner: Callable
+    drafts_in_graph: bool = False
 
 
 class ProgramSet:
@@ -58,6 +63,8 @@ class ProgramSet:
         prefill: the prefill program (chunks up to ``prefill.tokens``).
         decode, spec_step: ``{b: program}`` by batch bucket.
         buckets: sorted batch buckets; k: draft tokens per spec step (0 without speculation).
+        drafts_in_graph: the spec steps draft inside the program (early exit) and take no
+            draft tokens.
         packed: the oneDNN-packed copies of the weights that bf16/fp16 CPU programs bind
             (:mod:`specc.passes.packed_weights`), one per weight, kept alive here.
         weights: ``{stored name: tensor}``, kept alive here: the programs bind them
@@ -81,13 +88,15 @@ class ProgramSet:
         for p in m["programs"]:
             runner = torch._inductor.aoti_load_package(str(artifact.path(p["file"])))
             bind_constants(runner, constants, p.get("packed_constants"), self.packed)
-            prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner)
+            prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner,
+                            bool(p.get("draft_layers")))
             if p["kind"] == "prefill":
                 self.prefill = prog
             else:
                 getattr(self, p["kind"])[p["batch"]] = prog
         self.buckets = sorted(self.decode)
         self.k = next(iter(self.spec_step.values())).tokens - 1 if self.spec_step else 0
+        self.drafts_in_graph = any(p.drafts_in_graph for p in self.spec_step.values())
         self.weights = stored
 
 
@@ -121,7 +130,10 @@ class CompiledEngine(Engine):
         kv_cache: the session's cache (``num_slots`` = max_num_seqs).
         detokenize, proposer: as :class:`Engine`; a proposer's ``num_speculative_tokens``
             must equal the programs' k (None for non-speculative decoding), and it may not
-            ask for target hidden states (``hidden_layers``: EAGLE runs eagerly).
+            ask for target hidden states (``hidden_layers``: EAGLE runs eagerly). Programs
+            that draft inside ``spec_step`` take the
+            :class:`~specc.runtime.drafters.in_graph.InGraphDrafter` stand-in, and only
+            they do.
         max_num_seqs: most requests running at once; the cache needs
             :func:`cache_slots` slots for them (padded rows write into real slots).
     """
@@ -139,6 +151,12 @@ class CompiledEngine(Engine):
             raise ValueError(f"{type(proposer).__name__} drafts from target hidden states "
                              f"(layers {list(proposer.hidden_layers)}); compiled programs do not return "
                              "them: run it with enforce_eager: true")
+        if proposer is not None and proposer.drafts_in_graph != programs.drafts_in_graph:
+            raise ValueError(
+                f"{type(proposer).__name__} does not fit these programs: "
+                + ("their spec_step drafts inside the program (early exit) and takes no host drafts"
+                   if programs.drafts_in_graph else
+                   "it drafts inside a program, but these spec_step programs take host drafts"))
         self.programs = programs
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._key_cache: dict[int, torch.Tensor] = {}
@@ -176,7 +194,8 @@ class CompiledEngine(Engine):
     def _verify(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, nd: torch.Tensor,
                 draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
         if draft_probs is not None:
-            raise NotImplementedError("compiled steps verify deterministic drafts only (ngram, suffix)")
+            raise NotImplementedError("compiled steps take deterministic host drafts only (ngram, suffix); "
+                                      "model drafters run inside the program")
         B, top = len(running), self.programs.buckets[-1]
         tokens: list[list[int]] = []
         accepted: list[int] = []
@@ -206,25 +225,27 @@ class CompiledEngine(Engine):
         prog = self.programs.spec_step[b] if spec else self.programs.decode[b]
         width = k + 1 if spec else 1
         pad = b - n
-        ids = torch.zeros(b, width, dtype=torch.long)
+        ids = torch.zeros(b, 1 if prog.drafts_in_graph else width, dtype=torch.long)
         ids[:n, 0] = torch.tensor([r.last_token for r in reqs])
-        if spec:
+        if spec and not prog.drafts_in_graph:
             ids[:n, 1:1 + drafts.shape[1]] = drafts
         start = torch.tensor([r.num_computed for r in reqs] + [0] * pad)
         offs = torch.arange(width)
         nd_full = torch.cat([nd, nd.new_zeros(pad)]) if spec else torch.zeros(b, dtype=torch.long)
         pos = torch.where(offs[None] <= nd_full[:, None], start[:, None] + offs[None],
                           torch.full((b, width), self.cache.trash_pos))
+        # keys: the verify reads up to start + nd; an in-graph draft step s queries start + s, s < k
+        reach = nd_full.clamp(min=k - 1) if prog.drafts_in_graph else nd_full
         u = uniforms if spec else uniforms[:, 2 * k:2 * k + 1]
         u = torch.cat([u, u.new_zeros(pad, u.shape[1])])
-        needed = int((start + nd_full).max()) + 1  # keys [0, needed) are read
+        needed = int((start + reach).max()) + 1  # keys [0, needed) are read
         values = {
             "input_ids": ids, "positions": pos,
             "num_draft_tokens": nd_full, "uniforms": u,
             "temperature": _pad(batch.temperature[rows], pad), "top_k": _pad(batch.top_k[rows], pad),
             "top_p": _pad(batch.top_p[rows], pad, 1.0), "num_rows": torch.tensor(n),
         }
-        with stage(f"specc.verify[{width}]"):  # verify + accept/reject, one program
+        with stage(f"specc.verify[{width}]"):  # verify + accept/reject (+ early-exit drafting), one program
             if self.graphs is not None:
                 out_ids, num_acc, tok_lp, top_ids, top_lp = self.graphs(prog, slot0, values, needed)
             else:

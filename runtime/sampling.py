@@ -35,6 +35,7 @@ __all__ = [
     "greedy_mask",
     "process_logits",
     "sample_from_probs",
+    "sample_draft",
     "compute_logprobs",
 ]
 
@@ -253,6 +254,34 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     target = torch.minimum(target, below_total).clamp_min(0.0)
     idx = torch.searchsorted(cdf, target.contiguous(), right=True).squeeze(1)
     return idx.clamp(max=p.shape[-1] - 1).to(torch.int64)
+
+
+def sample_draft(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft token per row from a model drafter's logits, and its distribution q.
+
+    Args:
+        logits: ``[N, V]`` float32 raw drafter logits (the target's vocabulary).
+        temperature, top_k, top_p: ``[N]`` the rows' processors (as :func:`process_logits`).
+        is_greedy: ``[N]`` bool.
+        uniforms: ``[N]`` float32 in ``[0, 1)``, the row's drafter uniform of this step.
+
+    Returns:
+        ``(tokens [N] int64, q [N, V] float32)``: the argmax of the raw logits for greedy
+        rows, else a sample of ``q = softmax(process_logits(logits))``, the distribution
+        rejection sampling divides by (the same processors as the target: lossless).
+        One function for the eager drafter and the compiled draft-then-verify program, so
+        both draw the same token from the same uniform.
+    """
+    q = torch.softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
+    tokens = torch.where(is_greedy, logits.argmax(-1), sample_from_probs(q, uniforms))
+    return tokens, q
 
 
 def compute_logprobs(

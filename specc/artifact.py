@@ -118,14 +118,17 @@ def model_files_hash(folder: str | os.PathLike) -> str:
 # Config fields the compiled programs depend on (the rest: sampling defaults, seed,
 # prompt lookup sizes, are read at run time).
 _PROGRAM_FIELDS = ("dtype", "device", "max_model_len", "batch_buckets")
-_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens")
+_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens", "num_draft_layers")
 
 
 def program_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dict (``SpeccConfig.to_dict()``) the programs are built for."""
     spec = config.get("speculative_config") or {}
     return {**{f: config.get(f) for f in _PROGRAM_FIELDS},
-            "speculative_config": {f: spec.get(f) for f in _PROGRAM_SPEC_FIELDS} if spec else None}
+            # unset fields (num_draft_layers outside early exit) are left out, so adding a
+            # field keeps the cache keys of the configs that do not use it
+            "speculative_config": {f: spec[f] for f in _PROGRAM_SPEC_FIELDS if spec.get(f) is not None}
+            if spec else None}
 
 
 def program_config_diff(built: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

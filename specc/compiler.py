@@ -18,7 +18,11 @@ Programs: ``prefill`` (batch 1, one prompt chunk of 2..:data:`PREFILL_CHUNK` tok
 chunk length is a symbolic size, like kv_len), ``decode_b{b}`` (one token per row: the non-speculative step,
 also used by a speculative session on steps where no row has drafts) and, with
 speculation, ``spec_step_b{b}`` (``[last token, d_1..d_k]`` per row) for every bucket
-``b``. Why AOTInductor packages rather than Inductor's caches: opening a package is a
+``b``. For host drafters (``ngram``, ``suffix``) the drafts are inputs of ``spec_step``;
+for an early-exit drafter (``draft_model`` with ``num_draft_layers``) ``spec_step`` is the
+fused draft-then-verify program: :class:`~specc.runtime.programs.EarlyExitStepProgram`
+(k draft steps through the first N layers, then the verify, traced as one module so both
+read the same weight constants) with the accept/reject spliced on using the drafter's q. Why AOTInductor packages rather than Inductor's caches: opening a package is a
 ``dlopen`` (~0.2 s per program, measured) with no tracing at all, whereas a warm
 ``torch.compile`` cache still re-traces the model with Dynamo on every start.
 """
@@ -48,9 +52,10 @@ PREFILL_CHUNK = 256
 #: The runtime rounds each call's kv_len (keys attended) up to a multiple of this.
 KV_LEN_ALIGN = 32
 #: Drafting methods whose step has a compiled program (None = no speculation). Host
-#: drafters only: their draft tokens are inputs of ``spec_step``, so one program serves
-#: every such method (the artifact still records the method it was built for).
-COMPILED_METHODS = (None, "ngram", "suffix")
+#: drafters' tokens are inputs of ``spec_step``, so one program serves both (the artifact
+#: still records the method it was built for); ``draft_model`` compiles for early exit
+#: (``num_draft_layers``) only, whose drafts are made inside ``spec_step``.
+COMPILED_METHODS = (None, "ngram", "suffix", "draft_model")
 #: Choices of :func:`apply_linear_passes` and the one ``specc compile`` uses.
 LINEAR_PASSES = ("pretranspose", "small_m", "none")
 DEFAULT_LINEAR_PASSES = "pretranspose"
@@ -58,13 +63,16 @@ DEFAULT_LINEAR_PASSES = "pretranspose"
 
 def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
     """The programs an artifact for ``config`` holds: ``{name, kind, batch, tokens}``
-    (``tokens`` = positions per row: the chunk length, 1, or k + 1)."""
+    (``tokens`` = positions per row: the chunk length, 1, or k + 1); a ``spec_step`` that
+    drafts inside the program also has ``draft_layers`` (N of the early-exit drafter)."""
     plan = [dict(name="prefill", kind="prefill", batch=1, tokens=prefill_chunk(config.max_model_len))]
-    k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+    spec = config.speculative_config
+    k = spec.num_speculative_tokens if spec else 0
+    in_graph = dict(draft_layers=spec.num_draft_layers) if spec and spec.is_early_exit else {}
     for b in config.batch_buckets:
         plan.append(dict(name=f"decode_b{b}", kind="decode", batch=b, tokens=1))
         if k:
-            plan.append(dict(name=f"spec_step_b{b}", kind="spec_step", batch=b, tokens=k + 1))
+            plan.append(dict(name=f"spec_step_b{b}", kind="spec_step", batch=b, tokens=k + 1, **in_graph))
     return plan
 
 
@@ -73,9 +81,15 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
     method = config.speculative_config.method if config.speculative_config else None
     if method not in COMPILED_METHODS:
         raise ConfigError(
-            f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix' and for "
-            "non-speculative decoding so far; set enforce_eager: true (specc generate/bench/profile: "
-            "--enforce-eager) to run this method on the eager path", label)
+            f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix', "
+            "early exit ('draft_model' with num_draft_layers) and for non-speculative decoding so far; set "
+            "enforce_eager: true (specc generate/bench/profile: --enforce-eager) to run this method on the "
+            "eager path", label)
+    if method == "draft_model" and not config.speculative_config.is_early_exit:
+        raise ConfigError(
+            "speculative_config: a separate draft model (model:) has no compiled program yet (only early exit, "
+            "num_draft_layers, drafts inside spec_step); set enforce_eager: true (specc generate/bench/profile: "
+            "--enforce-eager) to run it on the eager path", label)
     tree_field = config.speculative_config.tree_field if config.speculative_config else None
     if tree_field is not None:
         raise ConfigError(
@@ -168,12 +182,15 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
 
     Input order: ``input_ids, positions, [last_index,] kv_0 .. kv_{2L-1}, key_positions``
     then, for the step programs, the inputs the passes add (``num_draft_tokens, uniforms,
-    temperature, top_k, top_p, num_rows``)."""
+    temperature, top_k, top_p, num_rows``). An early-exit ``spec_step`` (``draft_layers``)
+    takes ``input_ids [b, 1]`` (the last tokens) and its draft loop's ``uniforms,
+    temperature, top_k, top_p`` right after ``key_positions``, then ``num_draft_tokens,
+    num_rows``."""
     from specc.models.kv_cache import KVCache
     from specc.passes.accept_reject import fuse_accept_reject
     from specc.passes.bucket_padding import pad_rows
     from specc.passes.signature import export_flat, placeholders
-    from specc.runtime.programs import PrefillProgram, VerifyProgram, flat_kv
+    from specc.runtime.programs import EarlyExitStepProgram, PrefillProgram, VerifyProgram, flat_kv
 
     b, t, S, dev = prog["batch"], prog["tokens"], cfg.max_model_len, cfg.device
     kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
@@ -182,6 +199,8 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
     keys = torch.arange(max(S // 2, 3), device=dev)  # example kv_len, not a bound
     kv_dim = torch.export.Dim("kv_len", min=2, max=S)
     no_kv = (None,) * len(kv)
+    k = t - 1
+    extra = step_example_inputs(b, k, dev)
     with torch.no_grad():
         if prog["kind"] == "prefill":
             chunk = torch.export.Dim("chunk", min=2, max=t)
@@ -191,13 +210,19 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
             gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv, keys), dyn)
             apply_linear_passes(gm, linear_passes)
             return gm, (ids, pos, last, *kv, keys), (*dyn[:3], *no_kv, {0: kv_dim})
-        gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
+        if prog.get("draft_layers"):  # early exit: the drafts are made inside the program
+            ids = torch.zeros(b, 1, dtype=torch.long, device=dev)  # contiguous: its strides are compiled in
+            drafter = EarlyExitStepProgram(model, S, prog["draft_layers"], k)
+            sampling = tuple(extra[n] for n in ("uniforms", "temperature", "top_k", "top_p"))
+            gm = export_flat(drafter, (ids, pos, kv, keys, *sampling),
+                             (None, None, no_kv, {0: kv_dim}, *[None] * len(sampling)))
+        else:
+            gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
         apply_linear_passes(gm, linear_passes)
         k = t - 1
         # CUDA programs are replayed as CUDA graphs: no data-dependent branch (runtime/cuda_graphs.py)
         gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, branch_free=dev == "cuda")
         gm = pad_rows(gm, trash_pos=S)
-    extra = step_example_inputs(b, k, dev)
     names = list(placeholders(gm))
     rest = names[3 + len(kv):]
     args = (ids, pos, *kv, keys, *[extra[n] for n in rest])

@@ -78,7 +78,9 @@ class Session:
         slots = cfg.max_num_seqs if self.programs is None else cache_slots(cfg.max_num_seqs, cfg.batch_buckets)
         self.kv_cache = self._allocate_cache(slots, label)
         try:
-            self.proposer = proposer if proposer is not None else build_proposer(cfg, self.target, self.kv_cache)
+            self.proposer = proposer if proposer is not None else build_proposer(
+                cfg, self.target, self.kv_cache,
+                drafts_in_graph=self.programs is not None and self.programs.drafts_in_graph)
         except ConfigError as e:
             if label is None or e.source is not None:
                 raise

@@ -181,6 +181,17 @@ def patched(obj, name: str, new: Callable):
             delattr(obj, name)
 
 
+def forbid_compiling(monkeypatch) -> None:
+    """Make tracing and compiling raise (``torch.export``, AOTInductor, ``torch.compile``):
+    opening an artifact must do neither."""
+    def refuse(*a, **k):
+        raise AssertionError("opening an artifact must not trace or compile")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    monkeypatch.setattr(torch, "compile", refuse)
+
+
 # ------------------------------------------------------------------------------ token trees
 def random_parents(gen: torch.Generator, rows: int, k: int) -> torch.Tensor:
     """``[rows, k]`` int64 random token-tree parents: ``[b, i]`` uniform in ``0..i``."""

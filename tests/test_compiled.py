@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import drafter_spec, greedy, make_session
+from helpers import drafter_spec, forbid_compiling, greedy, make_session
 from specc import SamplingParams, Session
 from specc.artifact import ArtifactError, open_artifact, program_config_diff, write_artifact
 from specc.compiler import compile_artifact, plan_programs
@@ -107,12 +107,7 @@ def test_manifest_lists_every_program_and_file(artifact):
 
 
 def test_opening_does_not_trace_or_compile(artifact, monkeypatch, pool):
-    def refuse(*a, **k):
-        raise AssertionError("opening an artifact must not trace or compile")
-
-    monkeypatch.setattr(torch.export, "export", refuse)
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
-    monkeypatch.setattr(torch, "compile", refuse)
+    forbid_compiling(monkeypatch)
     s = Session(str(artifact), verbose=False)
     assert s.compiled and isinstance(s.engine, CompiledEngine)
     assert s.generate([pool[0][0]], greedy(3))[0].finish_reason == "length"
@@ -306,8 +301,8 @@ def test_config_compiles_on_first_use_then_reuses(tiny_llama_dir, artifact, tmp_
     assert len(calls) == 1 and calls[0].parent == tmp_path / "cache" / "compiled"
     (calls[0] / "programs" / "decode_b1.pt2").write_bytes(b"truncated")  # a damaged cache entry is rebuilt
     assert Session(cfg, verbose=False).compiled and len(calls) == 2
-    with pytest.raises(Exception, match="enforce_eager: true"):
-        Session(dict(cfg, speculative_config=drafter_spec("early_exit", 2)), verbose=False)
+    with pytest.raises(Exception, match="enforce_eager: true"):  # a separate draft model: eager only
+        Session(dict(cfg, speculative_config=drafter_spec("draft_model", 2, tiny_llama_dir)), verbose=False)
 
 
 def test_write_is_atomic(tmp_path):

@@ -71,6 +71,10 @@ class Proposer(ABC):
     """
 
     hidden_layers: tuple[int, ...] = ()
+    #: True for the stand-in of a drafter that runs inside the compiled ``spec_step``
+    #: (:class:`~specc.runtime.drafters.in_graph.InGraphDrafter`): its proposals carry
+    #: only the per-row draft counts.
+    drafts_in_graph: bool = False
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens

@@ -21,7 +21,7 @@ from specc.models.kv_cache import KVCache
 from specc.models.llama import LlamaForCausalLM
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
 from specc.runtime.request import Request
-from specc.runtime.sampling import process_logits, sample_from_probs
+from specc.runtime.sampling import sample_draft
 
 
 class DraftModelProposer(Proposer):
@@ -103,10 +103,8 @@ class DraftModelProposer(Proposer):
             out = self.model(ids, pos, cache, kv_len=kv_len, num_layers=self.num_layers)
             logits = out.logits[torch.arange(B), last]  # [B, V_draft]
             logits = self._fit_vocab(logits)
-            q_logits = process_logits(logits, batch.temperature, batch.top_k, batch.top_p)
-            q = torch.softmax(q_logits, dim=-1)
-            sampled = sample_from_probs(q, uniforms[:, step])
-            tok = torch.where(batch.is_greedy, logits.argmax(-1), sampled)
+            tok, q = sample_draft(logits, batch.temperature, batch.top_k, batch.top_p, batch.is_greedy,
+                                  uniforms[:, step])
             drafts.append(tok)
             probs.append(q)
             # next input: the draft just made, at the next position (trash past the limit)

@@ -8,8 +8,13 @@ from specc.models.loader import LoadedModel, load_model
 from specc.runtime.drafters.base import Proposer
 
 
-def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCache) -> Proposer | None:
+def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCache, *,
+                   drafts_in_graph: bool = False) -> Proposer | None:
     """Return the drafter for ``config.speculative_config`` (None: no speculation).
+
+    ``drafts_in_graph``: the session replays compiled programs whose ``spec_step`` drafts
+    itself (early exit): the proposer is then the
+    :class:`~specc.runtime.drafters.in_graph.InGraphDrafter` stand-in.
 
     Raises:
         ConfigError: the drafter does not fit the target (too many early-exit layers, a
@@ -38,6 +43,10 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
 
         if spec.num_draft_layers is not None:
             spec.check_against_target(target.config.num_hidden_layers)
+            if drafts_in_graph:
+                from specc.runtime.drafters.in_graph import InGraphDrafter
+
+                return InGraphDrafter(k, spec.num_draft_layers)
             return DraftModelProposer(
                 target.model, k, target_cache, target.config.vocab_size,
                 num_layers=spec.num_draft_layers, shares_target_cache=True,

@@ -219,7 +219,6 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
         else:
             gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
         apply_linear_passes(gm, linear_passes)
-        k = t - 1
         # CUDA programs are replayed as CUDA graphs: no data-dependent branch (runtime/cuda_graphs.py)
         gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, branch_free=dev == "cuda")
         gm = pad_rows(gm, trash_pos=S)

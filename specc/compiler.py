@@ -9,6 +9,8 @@ For each program (see DESIGN.md, "Programs"):
    :func:`~specc.passes.accept_reject.fuse_accept_reject` (accept/reject, sampling and
    logprobs on the device: the program returns tokens and counts, never logits) and
    :func:`~specc.passes.bucket_padding.pad_rows` (padded rows of a bucket are inert);
+   a tree step gets :func:`~specc.passes.tree_accept_reject.fuse_tree_accept_reject`
+   instead of the chain's accept/reject;
 3. export the transformed graph again and lower it with AOTInductor into a ``.pt2``
    package whose constants are kept out of the package: the artifact stores one
    ``weights.safetensors`` for all programs and every program binds the same tensors at
@@ -18,7 +20,11 @@ Programs: ``prefill`` (batch 1, one prompt chunk of 2..:data:`PREFILL_CHUNK` tok
 chunk length is a symbolic size, like kv_len), ``decode_b{b}`` (one token per row: the non-speculative step,
 also used by a speculative session on steps where no row has drafts) and, with
 speculation, ``spec_step_b{b}`` (``[last token, d_1..d_k]`` per row) for every bucket
-``b``. Why AOTInductor packages rather than Inductor's caches: opening a package is a
+``b``; for a drafter that proposes token trees (:func:`proposes_trees`) also
+``tree_step_b{b}`` (``k + 1`` tree nodes per row, the tree's parents an input; tree
+accept/reject and KV compaction by :mod:`specc.passes.tree_accept_reject`).
+
+Why AOTInductor packages rather than Inductor's caches: opening a package is a
 ``dlopen`` (~0.2 s per program, measured) with no tracing at all, whereas a warm
 ``torch.compile`` cache still re-traces the model with Dynamo on every start.
 """
@@ -65,7 +71,18 @@ def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
         plan.append(dict(name=f"decode_b{b}", kind="decode", batch=b, tokens=1))
         if k:
             plan.append(dict(name=f"spec_step_b{b}", kind="spec_step", batch=b, tokens=k + 1))
+        if k and proposes_trees(config):
+            plan.append(dict(name=f"tree_step_b{b}", kind="tree_step", batch=b, tokens=k + 1))
     return plan
+
+
+def proposes_trees(config: SpeccConfig) -> bool:
+    """Whether ``config``'s drafter can propose token trees (suffix decoding with
+    ``suffix_decoding_propose_tree``): its artifact then holds ``tree_step_b{b}``. The
+    suffix drafter's tree holds at most ``num_speculative_tokens`` drafts, so a tree step
+    verifies ``N = k + 1`` nodes, the chain step's width."""
+    spec = config.speculative_config
+    return bool(spec is not None and spec.method == "suffix" and spec.suffix_decoding_propose_tree)
 
 
 def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
@@ -76,11 +93,6 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
             f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix' and for "
             "non-speculative decoding so far; set enforce_eager: true (specc generate/bench/profile: "
             "--enforce-eager) to run this method on the eager path", label)
-    if method == "suffix" and config.speculative_config.suffix_decoding_propose_tree:
-        raise ConfigError(
-            "speculative_config.suffix_decoding_propose_tree = true: tree proposals are verified on the eager "
-            "path only so far (the compiled spec_step verifies chains); set enforce_eager: true "
-            "(specc generate/bench/profile: --enforce-eager), or drop the option for chain drafts", label)
     if config.device == "npu":
         raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
                           label)
@@ -164,12 +176,15 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
 
     Input order: ``input_ids, positions, [last_index,] kv_0 .. kv_{2L-1}, key_positions``
     then, for the step programs, the inputs the passes add (``num_draft_tokens, uniforms,
-    temperature, top_k, top_p, num_rows``)."""
+    temperature, top_k, top_p, num_rows``). A ``tree_step``: ``input_ids, start, parents,
+    num_draft_tokens, kv_0 .. kv_{2L-1}, key_positions, uniforms, temperature, top_k,
+    top_p, num_rows``."""
     from specc.models.kv_cache import KVCache
     from specc.passes.accept_reject import fuse_accept_reject
-    from specc.passes.bucket_padding import pad_rows
+    from specc.passes.bucket_padding import TREE_FILLS, pad_rows
     from specc.passes.signature import export_flat, placeholders
-    from specc.runtime.programs import PrefillProgram, VerifyProgram, flat_kv
+    from specc.passes.tree_accept_reject import fuse_tree_accept_reject
+    from specc.runtime.programs import PrefillProgram, TreeVerifyProgram, VerifyProgram, flat_kv
 
     b, t, S, dev = prog["batch"], prog["tokens"], cfg.max_model_len, cfg.device
     kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
@@ -187,16 +202,25 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
             gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv, keys), dyn)
             apply_linear_passes(gm, linear_passes)
             return gm, (ids, pos, last, *kv, keys), (*dyn[:3], *no_kv, {0: kv_dim})
-        gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
-        apply_linear_passes(gm, linear_passes)
         k = t - 1
-        gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS)
-        gm = pad_rows(gm, trash_pos=S)
+        if prog["kind"] == "tree_step":
+            head = (ids, torch.zeros(b, dtype=torch.long, device=dev), chain_parents(b, k, dev),
+                    torch.zeros(b, dtype=torch.long, device=dev))
+            gm = export_flat(TreeVerifyProgram(model, S), (*head, kv, keys), (*[None] * 4, no_kv, {0: kv_dim}))
+            apply_linear_passes(gm, linear_passes)
+            gm = fuse_tree_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, trash_pos=S)
+            gm = pad_rows(gm, trash_pos=S, fills=TREE_FILLS)
+        else:
+            head = (ids, pos)
+            gm = export_flat(VerifyProgram(model, S), (*head, kv, keys), (None, None, no_kv, {0: kv_dim}))
+            apply_linear_passes(gm, linear_passes)
+            gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS)
+            gm = pad_rows(gm, trash_pos=S)
     extra = step_example_inputs(b, k, dev)
     names = list(placeholders(gm))
-    rest = names[3 + len(kv):]
-    args = (ids, pos, *kv, keys, *[extra[n] for n in rest])
-    return gm, args, (None, None, *no_kv, {0: kv_dim}, *[None] * len(rest))
+    rest = names[len(head) + len(kv) + 1:]
+    args = (*head, *kv, keys, *[extra[n] for n in rest])
+    return gm, args, (*[None] * len(head), *no_kv, {0: kv_dim}, *[None] * len(rest))
 
 
 def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
@@ -237,6 +261,11 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
 def prefill_chunk(max_model_len: int) -> int:
     """Longest chunk of the prefill program: PREFILL_CHUNK, or less for a short cache."""
     return min(PREFILL_CHUNK, max_model_len)
+
+
+def chain_parents(b: int, k: int, device) -> torch.Tensor:
+    """``[b, k]`` int64 parents of a chain (node ``i + 1``'s parent is ``i``): example trees."""
+    return torch.arange(k, device=device).repeat(b, 1)
 
 
 def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:

@@ -120,7 +120,7 @@ SUFFIX_DEFAULTS: dict[str, Any] = {
     "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1,
     # specc's own switch (vLLM / Arctic verify suffix drafts as chains): propose the
-    # candidate tree, verified under the tree attention mask (eager path only)
+    # candidate tree, verified under the tree attention mask (compiled: tree_step programs)
     "suffix_decoding_propose_tree": False,
 }
 
@@ -136,7 +136,8 @@ class SpeculativeConfig(BaseModel):
     * ``suffix``: SuffixDecoding (per-request and global suffix trees); the
       ``suffix_decoding_*`` fields take vLLM's defaults (:data:`SUFFIX_DEFAULTS`) when
       omitted; ``suffix_decoding_propose_tree`` (specc's, default false) proposes the
-      candidate token tree instead of the best chain (eager path only).
+      candidate token tree instead of the best chain (compiled artifacts then hold
+      ``tree_step`` programs).
     * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
       ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
       layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).

@@ -15,7 +15,12 @@ variant's own M=1 time:
   formulation ``passes/small_m_linear.py`` writes);
 * ``cpp_template``: ``torch.compile`` with ``freezing`` + ``max_autotune`` and the CPP
   GEMM template (Inductor's own AVX-512 micro-kernels over packed weights; one
-  autotuned compile per M, ~1 min each).
+  autotuned compile per M, ~1 min each);
+* ``bf16_nt``: the same weights in bf16 through ``F.linear`` (oneDNN, weight re-laid-out
+  per call) — eager specc with ``dtype: bfloat16``;
+* ``bf16_packed``: bf16 weights packed once (``mkldnn._reorder_linear_weight``) through
+  ``mkldnn._linear_pointwise``, what Inductor's freezing (and so a compiled bf16 program,
+  ``passes/packed_weights.py``) runs.
 
 Usage: python bench/small_m_gemm.py [--rows 1 2 3 5 8 16] [--variants nt nn ...] [--threads 1]
 Results and conclusions: docs/compile.md, "Verify cost".
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) per projection
-VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template")
+VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template", "bf16_nt", "bf16_packed")
 
 
 def _rows_reduction(x, weights):
@@ -73,6 +78,13 @@ def build(variant: str, weights, m: int):
             with torch.no_grad():
                 fn(xs)  # compile (and autotune) under the patched config
         return fn
+    if variant == "bf16_nt":
+        w16 = [w.bfloat16() for w in weights]
+        return lambda xs: [F.linear(xs[j % 4].bfloat16(), w) for j, w in enumerate(w16)]
+    if variant == "bf16_packed":
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), m) for w in weights]
+        return lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[j % 4].bfloat16(), p, None, "none", [], "")
+                           for j, p in enumerate(packed)]
     raise ValueError(variant)
 
 
@@ -93,8 +105,8 @@ def main(argv=None) -> None:
     with torch.no_grad():
         for (v, m), fn in fns.items():
             ref = [inputs[m][j % 4] @ w.t() for j, w in enumerate(weights)]
-            err = max((x - y).abs().max().item() for x, y in zip(fn(inputs[m]), ref))
-            assert err < 1e-3, (v, m, err)
+            err = max((x.float() - y).abs().max().item() for x, y in zip(fn(inputs[m]), ref))
+            assert err < (0.1 if v.startswith("bf16") else 1e-3), (v, m, err)
         best: dict[tuple[str, int], float] = {}
         for _ in range(a.repeats):
             for (v, m), fn in fns.items():
@@ -102,7 +114,7 @@ def main(argv=None) -> None:
                 fn(inputs[m])
                 dt = time.perf_counter() - t
                 best[v, m] = min(best.get((v, m), dt), dt)
-    print(f"{a.layers} layers' projections, {mib:.0f} MiB fp32, {a.threads} thread(s); best of {a.repeats}, "
+    print(f"{a.layers} layers' projections, {mib:.0f} MiB fp32 (half in bf16), {a.threads} thread(s); best of {a.repeats}, "
           "ms (ratio to the variant's M=1)")
     print("variant       " + "".join(f"M={m:<14}" for m in a.rows))
     for v in a.variants:

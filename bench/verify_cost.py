@@ -44,6 +44,7 @@ import torch
 from specc.compiler import DEFAULT_LINEAR_PASSES, LINEAR_PASSES, _constants, _lower, build_program, step_example_inputs
 from specc.config import load_config
 from specc.models.loader import load_model
+from specc.passes.packed_weights import PackedWeights, bind_constants, uses_packed_weights
 from specc.passes.signature import placeholders
 
 
@@ -66,19 +67,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def compile_step(model, cfg, b: int, T: int, kv_len: int, linear_passes: str, workdir: Path):
+def compile_step(model, cfg, b: int, T: int, kv_len: int, linear_passes: str, workdir: Path,
+                 packed: PackedWeights):
     """``(call, weight_bytes)``: the AOTInductor-compiled step program ``[b, T]`` and a
     zero-argument function that runs it once at ``kv_len`` keys (no drafts accepted:
-    the inputs are zeros, which costs the same as any tokens)."""
+    the inputs are zeros, which costs the same as any tokens). bf16/fp16 programs get
+    oneDNN-packed weights, as ``specc compile`` lowers them, shared through ``packed``."""
     kind = "decode" if T == 1 else "spec_step"
     prog = dict(name=f"{kind}_b{b}_t{T}", kind=kind, batch=b, tokens=T)
     gm, args, dyn = build_program(model, cfg, prog, linear_passes=linear_passes)
     path = workdir / f"{prog['name']}.pt2"
-    _lower(gm, args, dyn, path)
+    packed_map = _lower(gm, args, dyn, path, packed=uses_packed_weights(cfg.torch_dtype, cfg.device))
     runner = torch._inductor.aoti_load_package(str(path))
     consts = _constants(gm)
-    runner.load_constants({n: consts[n] for n in runner.get_constant_fqns()},
-                          check_full_update=True, user_managed=True)
+    bind_constants(runner, consts, packed_map, packed)
     names = list(placeholders(gm))
     inputs = dict(zip(names, args))
     inputs["key_positions"] = torch.arange(kv_len)
@@ -94,16 +96,18 @@ def compile_step(model, cfg, b: int, T: int, kv_len: int, linear_passes: str, wo
 
 
 def measure_model(spec: str, batches, tokens, kv_len: int, repeats: int, inner: int,
-                  linear_passes: str, read_gbs: float) -> dict:
-    cfg = load_config({"target": spec, "max_model_len": max(2 * kv_len, 256), "enforce_eager": True})
+                  linear_passes: str, read_gbs: float, dtype: str = "float32") -> dict:
+    cfg = load_config({"target": spec, "max_model_len": max(2 * kv_len, 256), "enforce_eager": True,
+                       "dtype": dtype})
     target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
     out = {"batch": {}, "ms": {}, "decode_pct_of_floor": {}}
+    packed = PackedWeights()
     with tempfile.TemporaryDirectory() as tmp:
         for b in batches:
             calls, nbytes = {}, 0
             for T in tokens:
                 t0 = time.perf_counter()
-                calls[T], nbytes = compile_step(target.model, cfg, b, T, kv_len, linear_passes, Path(tmp))
+                calls[T], nbytes = compile_step(target.model, cfg, b, T, kv_len, linear_passes, Path(tmp), packed)
                 print(f"  compiled b={b} T={T} in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             for call in calls.values():
                 call()
@@ -146,6 +150,8 @@ def main(argv=None) -> None:
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--linear-passes", choices=LINEAR_PASSES, default=DEFAULT_LINEAR_PASSES)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="model dtype; bf16/fp16 programs get oneDNN-packed weights on CPUs that run them")
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, b=1, T=1,5, fewer repeats")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
@@ -156,15 +162,16 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     models = a.model or ["smollm2-135m-instruct"]
     read_gbs = read_bandwidth_gbs()
-    print(f"read bandwidth {read_gbs:.1f} GB/s ({a.threads} thread(s)); linear passes: {a.linear_passes}")
+    print(f"read bandwidth {read_gbs:.1f} GB/s ({a.threads} thread(s)); linear passes: {a.linear_passes}; "
+          f"dtype {a.dtype}")
     results = {}
     for spec in models:
         results[spec] = measure_model(spec, a.batch, a.tokens, a.kv_len, a.repeats, a.inner,
-                                      a.linear_passes, read_gbs)
+                                      a.linear_passes, read_gbs, a.dtype)
         results[spec]["read_gbs"] = round(read_gbs, 2)
         print_table(spec, results[spec], a.tokens)
     if a.json:
-        results["settings"] = dict(kv_len=a.kv_len, threads=a.threads, linear_passes=a.linear_passes,
+        results["settings"] = dict(kv_len=a.kv_len, threads=a.threads, linear_passes=a.linear_passes, dtype=a.dtype,
                                    repeats=a.repeats, inner=a.inner, torch=torch.__version__)
         a.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {a.json}")

@@ -72,8 +72,6 @@ kernel is only built (``triton.jit``) on the first call, per interpreter/compile
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specc.kernels.rejection_sampler import (
@@ -81,16 +79,9 @@ from specc.kernels.rejection_sampler import (
     RejectionOutput,
     rejection_sample,
 )
-
-try:  # Triton is optional: importing this module must work without it.
-    import triton
-    import triton.language as tl
-except Exception as _err:  # noqa: BLE001  (ImportError, or a broken install)
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR: str | None = f"{type(_err).__name__}: {_err}"
-else:
-    _TRITON_IMPORT_ERROR = None
+from specc.kernels.triton_support import TRITON_AVAILABLE, launch_mode, tl, triton
+from specc.kernels.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR  # noqa: F401
+from specc.kernels.triton_support import interpreter_ready as _interpreter_ready  # noqa: F401
 
 __all__ = [
     "TRITON_AVAILABLE",
@@ -98,31 +89,10 @@ __all__ = [
     "rejection_sample_triton",
 ]
 
-#: Whether ``triton`` could be imported (the Triton path exists at all).
-TRITON_AVAILABLE: bool = triton is not None
-
 #: Largest vocabulary block one loop iteration handles, compiled / interpreted. The
 #: interpreter runs every block op as a numpy call, so bigger blocks are much faster there.
 _MAX_BLOCK_V = 2048
 _MAX_BLOCK_V_INTERPRET = 16384
-
-
-def _interpret_mode() -> bool:
-    """Whether Triton's interpreter is on now (read the way ``triton.jit`` reads it)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _interpreter_ready() -> bool:
-    """Whether interpreted kernels can run in this process: the interpreter is on *and*
-    was on when ``triton`` was imported (its library functions are interpreted ones)."""
-    if triton is None or not _interpret_mode():
-        return False
-    from triton.runtime.jit import JITFunction
-
-    return not isinstance(tl.max, JITFunction)  # an InterpretedFunction then
 
 
 # --------------------------------------------------------------------------- kernel
@@ -376,28 +346,13 @@ def rejection_sample_triton(
             on different devices, or tensors not on CUDA while Triton's interpreter
             (``TRITON_INTERPRET=1``) is off.
     """
-    if triton is None:
-        raise RuntimeError(
-            "rejection_sample_triton needs triton, which is not importable "
-            f"({_TRITON_IMPORT_ERROR}); use rejection_sample_auto or the torch reference "
-            "rejection_sample"
-        )
+    interpret = launch_mode("rejection_sample_triton", target_logits.device,
+                            "rejection_sample_auto or the torch reference rejection_sample")
     bsz, k, vocab = _check_inputs(
         target_logits, draft_token_ids, num_draft_tokens, draft_probs, is_greedy,
         uniforms_accept, uniforms_sample,
     )
     device = target_logits.device
-    interpret = _interpret_mode()
-    if device.type != "cuda" and not interpret:
-        raise ValueError(
-            f"rejection_sample_triton needs CUDA tensors (got {device}); CPU tensors only "
-            "run under Triton's interpreter (TRITON_INTERPRET=1)"
-        )
-    if interpret and not _interpreter_ready():
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after triton was imported: Triton's interpreter "
-            "needs it in the environment before the first `import triton`"
-        )
 
     out = torch.full((bsz, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(bsz, dtype=torch.int64, device=device)

@@ -27,6 +27,12 @@ dynamic tree (a drafter's per-step tree, e.g. suffix decoding's) passes ``parent
 input and the mask is built in the graph by :func:`tree_attention_inputs` (plain tensor
 code, ``K`` gathers). Both meet in one assembly step, so they cannot drift apart. The
 eager engine calls :func:`tree_attention_inputs` directly.
+
+The mask comes in two forms: the compact ``[B, N, N]`` node-to-node ``tree_mask`` (the
+input of the tree attention kernel, :mod:`specc.kernels.tree_attention`, which reads the
+prefix length and never builds the dense mask) and the dense ``[B, N, kv_len]`` key
+``mask`` the model's attention takes, expanded from it by the kernel module's own
+:func:`~specc.kernels.tree_attention.expand_tree_mask` (so the two cannot disagree).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specc.kernels.tree_attention import expand_tree_mask
 from specc.runtime.token_tree import TokenTree, batch_ancestor_mask, batch_depths
 
 __all__ = ["TreeAttention", "static_tree_tensors", "tree_attention_from_static", "tree_attention_inputs"]
@@ -47,12 +54,18 @@ class TreeAttention:
     Attributes:
         positions: ``[B, N]`` int64 RoPE positions (trash for padding nodes).
         cache_positions: ``[B, N]`` int64 K/V write positions (trash for padding nodes).
-        mask: ``[B, N, kv_len]`` bool, True = key visible.
+        mask: ``[B, N, kv_len]`` bool, True = key visible (what the model's dense
+            attention takes).
+        tree_mask: ``[B, N, N]`` bool, node ``i`` sees node ``m`` (the compact form:
+            ``mask`` is the prefix ``[0, start)`` plus this at ``start + m``,
+            :func:`specc.kernels.tree_attention.expand_tree_mask`; the tree attention
+            kernel's input, :mod:`specc.kernels.tree_attention`).
     """
 
     positions: torch.Tensor
     cache_positions: torch.Tensor
     mask: torch.Tensor
+    tree_mask: torch.Tensor
 
 
 def static_tree_tensors(tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,18 +105,14 @@ def tree_attention_from_static(depths: torch.Tensor, ancestors: torch.Tensor, nu
 def _assemble(depths: torch.Tensor, ancestors: torch.Tensor, num_drafts: torch.Tensor, start: torch.Tensor,
               kv_len: int, trash_pos: int) -> TreeAttention:
     """depths ``[B, N]``, ancestors ``[B, N, N]`` -> :class:`TreeAttention` (module docstring)."""
-    bsz, n = depths.shape
+    n = depths.shape[1]
     device = depths.device
     node = torch.arange(n, device=device)[None]  # [1, N]
     valid = node <= num_drafts[:, None]  # [B, N]
     trash = torch.full_like(depths, trash_pos)
     positions = torch.where(valid, start[:, None] + depths, trash)
     cache_positions = torch.where(valid, start[:, None] + node, trash)
-    key = torch.arange(kv_len, device=device)[None, None]  # [1, 1, kv_len]
-    rel = key - start[:, None, None]  # key's node index when 0 <= rel < N
-    in_tree = (rel >= 0) & (rel < n)
-    tree_vis = ancestors.gather(2, rel.clamp(0, n - 1).expand(bsz, n, kv_len))  # [B, N, kv_len]
-    key_valid = valid.gather(1, rel.clamp(0, n - 1)[:, 0]).unsqueeze(1)  # [B, 1, kv_len]
-    mask = (rel < 0) | (in_tree & tree_vis & key_valid & valid[:, :, None])
-    mask = mask | (~valid[:, :, None] & (rel <= 0))  # padding rows: prefix + root
-    return TreeAttention(positions, cache_positions, mask)
+    # real rows: their ancestors among the real nodes; padding rows: the root only
+    tree_mask = ancestors & valid[:, None, :] & valid[:, :, None]
+    tree_mask = tree_mask | (~valid[:, :, None] & (node == 0)[:, None, :])
+    return TreeAttention(positions, cache_positions, expand_tree_mask(start, tree_mask, kv_len), tree_mask)

@@ -32,6 +32,7 @@ import torch
 from specc.artifact import Artifact, WEIGHTS
 from specc.compiler import KV_LEN_ALIGN
 from specc.models.kv_cache import KVCache
+from specc.passes.packed_weights import PackedWeights, bind_constants
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.engine import Engine, tree_paths
 from specc.runtime.request import Request
@@ -58,6 +59,8 @@ class ProgramSet:
         decode, spec_step, tree_step: ``{b: program}`` by batch bucket (``tree_step``
             only in artifacts built for tree proposals).
         buckets: sorted batch buckets; k: draft tokens per spec step (0 without speculation).
+        packed: the oneDNN-packed copies of the weights that bf16/fp16 CPU programs bind
+            (:mod:`specc.passes.packed_weights`), one per weight, kept alive here.
         weights: ``{stored name: tensor}``, kept alive here: the programs bind them
             user-managed (they hold pointers, not references).
 
@@ -76,10 +79,10 @@ class ProgramSet:
         self.decode: dict[int, _Program] = {}
         self.spec_step: dict[int, _Program] = {}
         self.tree_step: dict[int, _Program] = {}
+        self.packed = PackedWeights()  # oneDNN-packed weights (bf16/fp16 CPU programs), shared
         for p in m["programs"]:
             runner = torch._inductor.aoti_load_package(str(artifact.path(p["file"])))
-            runner.load_constants({f: constants[f] for f in runner.get_constant_fqns()},
-                                  check_full_update=True, user_managed=True)
+            bind_constants(runner, constants, p.get("packed_constants"), self.packed)
             prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner)
             if p["kind"] == "prefill":
                 self.prefill = prog
@@ -185,7 +188,8 @@ class CompiledEngine(Engine):
         if not self.programs.tree_step:
             raise NotImplementedError(
                 "this artifact has no tree_step programs (built for chain drafts): build it from a config with "
-                "speculative_config.suffix_decoding_propose_tree: true, or set enforce_eager: true")
+                "speculative_config.suffix_decoding_propose_tree (or ngram_propose_tree): true, or set "
+                "enforce_eager: true")
         return self._run_groups(running, batch, drafts, nd, uniforms, parents)
 
     def _run_groups(self, running, batch, drafts, nd, uniforms, parents=None):

@@ -116,10 +116,10 @@ def model_files_hash(folder: str | os.PathLike) -> str:
 
 
 # Config fields the compiled programs depend on (the rest: sampling defaults, seed,
-# prompt lookup sizes, are read at run time). suffix_decoding_propose_tree decides
-# whether the artifact holds tree_step programs.
+# prompt lookup sizes, are read at run time). The tree switches decide whether the
+# artifact holds tree_step programs.
 _PROGRAM_FIELDS = ("dtype", "device", "max_model_len", "batch_buckets")
-_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens", "suffix_decoding_propose_tree")
+_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens", "suffix_decoding_propose_tree", "ngram_propose_tree")
 
 
 def program_config(config: dict[str, Any]) -> dict[str, Any]:

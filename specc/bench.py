@@ -200,10 +200,12 @@ def _method_label(cfg) -> str:
     spec = cfg.speculative_config
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
-        return f"ngram {spec.prompt_lookup_min}-{spec.prompt_lookup_max} k={k}"
-    if spec.method == "draft_model" and spec.is_early_exit:
-        return f"early-exit {spec.num_draft_layers}L k={k}"
-    return f"{spec.method} k={k}"
+        label = f"ngram {spec.prompt_lookup_min}-{spec.prompt_lookup_max} k={k}"
+    elif spec.method == "draft_model" and spec.is_early_exit:
+        label = f"early-exit {spec.num_draft_layers}L k={k}"
+    else:
+        label = f"{spec.method} k={k}"
+    return label + (" tree" if spec.tree_field else "")
 
 
 # ---------------------------------------------------------------------------------------

@@ -77,12 +77,12 @@ def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
 
 
 def proposes_trees(config: SpeccConfig) -> bool:
-    """Whether ``config``'s drafter can propose token trees (suffix decoding with
-    ``suffix_decoding_propose_tree``): its artifact then holds ``tree_step_b{b}``. The
-    suffix drafter's tree holds at most ``num_speculative_tokens`` drafts, so a tree step
-    verifies ``N = k + 1`` nodes, the chain step's width."""
+    """Whether ``config``'s drafter can propose token trees (``suffix_decoding_propose_tree``
+    or ``ngram_propose_tree``): its artifact then holds ``tree_step_b{b}``. Both drafters'
+    trees hold at most ``num_speculative_tokens`` drafts, so a tree step verifies
+    ``N = k + 1`` nodes, the chain step's width."""
     spec = config.speculative_config
-    return bool(spec is not None and spec.method == "suffix" and spec.suffix_decoding_propose_tree)
+    return spec is not None and spec.tree_field is not None
 
 
 def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
@@ -117,6 +117,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
     """
     from specc.artifact import check_output_dir, model_files_hash
     from specc.models.loader import load_model
+    from specc.passes.packed_weights import uses_packed_weights
     from specc.session import _check_device
 
     label = str(config) if isinstance(config, (str, os.PathLike)) else None
@@ -130,6 +131,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
     plan = plan_programs(cfg)
+    packed = uses_packed_weights(cfg.torch_dtype, cfg.device)
 
     def build(tmp: Path) -> dict[str, Any]:
         (tmp / PROGRAMS_DIR).mkdir()
@@ -143,7 +145,8 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 gm, args, dynamic_shapes = build_program(target.model, cfg, prog)
-                _lower(gm, args, dynamic_shapes, tmp / PROGRAMS_DIR / f"{prog['name']}.pt2")
+                prog["packed_constants"] = _lower(gm, args, dynamic_shapes,
+                                                  tmp / PROGRAMS_DIR / f"{prog['name']}.pt2", packed=packed)
             prog["file"] = f"{PROGRAMS_DIR}/{prog['name']}.pt2"
             prog["inputs"] = _signature(gm, args, dynamic_shapes)
             prog["compile_seconds"] = round(time.perf_counter() - t0, 2)
@@ -280,14 +283,24 @@ def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:
     }
 
 
-def _lower(gm, args, dynamic_shapes, path: Path) -> None:
+def _lower(gm, args, dynamic_shapes, path: Path, *, packed: bool = False) -> dict[str, dict[str, Any]]:
     """Export the transformed graph again and compile it into an AOTInductor package with
-    its constants kept outside (bound at load)."""
+    its constants kept outside (bound at load).
+
+    With ``packed`` (bf16/fp16 on CPU, :func:`~specc.passes.packed_weights.uses_packed_weights`)
+    the linears get oneDNN-packed weights (Inductor freezing); returns the map from the
+    package's packed constants to the artifact constants they are rebuilt from at load
+    (empty without packing)."""
+    from specc.passes.packed_weights import lower_packed
+
     with torch.no_grad():
         ep = torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic_shapes), strict=False)
+        if packed:
+            return lower_packed(ep, _constants(gm), path)
         torch._inductor.aoti_compile_and_package(
             ep, package_path=str(path),
             inductor_configs={"aot_inductor.package_constants_in_so": False})
+    return {}
 
 
 def _signature(gm, args, dynamic_shapes) -> list[dict[str, Any]]:

@@ -93,7 +93,7 @@ Int = Annotated[int, BeforeValidator(_reject_bool)]
 # a method (suffix, eagle, eagle3, mtp, ...) is one line here, plus any extra rule in
 # SpeculativeConfig._check_method_rules if it has required fields.
 _METHOD_FIELDS: dict[str, frozenset[str]] = {
-    "ngram": frozenset({"prompt_lookup_min", "prompt_lookup_max"}),
+    "ngram": frozenset({"prompt_lookup_min", "prompt_lookup_max", "ngram_propose_tree"}),
     "draft_model": frozenset({"model", "num_draft_layers"}),
     "suffix": frozenset({
         "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -103,6 +103,9 @@ _METHOD_FIELDS: dict[str, frozenset[str]] = {
     "eagle": frozenset({"model"}),
     "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids"}),
 }
+# specc's own switches (vLLM has none) that make a host drafter propose token trees,
+# verified on the eager path only
+_TREE_SWITCHES = ("ngram_propose_tree", "suffix_decoding_propose_tree")
 # methods whose `model` is a head folder (config.json + model.safetensors), required
 _HEAD_METHODS = {"eagle": "an EAGLE head", "eagle3": "an EAGLE-3 head"}
 SPECULATIVE_METHODS: tuple[str, ...] = tuple(_METHOD_FIELDS)
@@ -129,7 +132,10 @@ class SpeculativeConfig(BaseModel):
     """``speculative_config`` (vLLM names).
 
     * ``ngram``: prompt lookup; ``prompt_lookup_min``/``prompt_lookup_max`` bound the
-      n-gram length matched against the context.
+      n-gram length matched against the context; ``ngram_propose_tree`` (specc's, default
+      false) proposes the continuations of the n-gram's several earlier occurrences
+      merged into one token tree instead of the most recent one's chain (compiled:
+      ``tree_step`` programs).
     * ``draft_model``: an independent drafter (``model``: HF folder, ``.gguf`` or an
       embedded name), or an early-exit self-draft (``num_draft_layers: N``, ``model``
       omitted): the target's first N layers + its final norm + lm_head.
@@ -151,6 +157,7 @@ class SpeculativeConfig(BaseModel):
     num_draft_layers: Int | None = Field(default=None, ge=1)
     prompt_lookup_min: Int | None = Field(default=None, ge=1)
     prompt_lookup_max: Int | None = Field(default=None, ge=1)
+    ngram_propose_tree: bool | None = None
     suffix_decoding_max_tree_depth: Int | None = Field(default=None, ge=1)
     suffix_decoding_max_cached_requests: Int | None = Field(default=None, ge=0)
     suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
@@ -207,6 +214,8 @@ class SpeculativeConfig(BaseModel):
                     hi,
                 )
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+            if self.ngram_propose_tree is None:
+                self.ngram_propose_tree = False
         elif self.method == "suffix":
             for name, default in SUFFIX_DEFAULTS.items():
                 if getattr(self, name) is None:
@@ -227,6 +236,15 @@ class SpeculativeConfig(BaseModel):
                     + ("both were given" if both else "neither was given"),
                 )
         return self
+
+    @property
+    def tree_field(self) -> str | None:
+        """The name of the set switch that makes this method propose token trees
+        (``ngram_propose_tree``, ``suffix_decoding_propose_tree``), else None."""
+        for name in _TREE_SWITCHES:
+            if getattr(self, name):
+                return name
+        return None
 
     @property
     def is_early_exit(self) -> bool:

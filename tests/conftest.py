@@ -11,6 +11,8 @@
   with a real tokenizer. The weights are scaled so that logits spread widely (std ~4,
   greedy top-2 gaps ~1): greedy ties, which would make equality tests flaky, are
   unlikely. Qwen2 has random q/k/v biases and tied embeddings; Llama has an untied ``lm_head``.
+* ``triton_device``: where a ``test_*_triton.py`` runs its Triton side (CUDA, CPU under
+  Triton's interpreter, or skip: ``triton_modes.py``).
 * ``tiny_eagle_heads``: ``{"eagle": dir, "eagle3": dir}``, random-weight EAGLE / EAGLE-3
   heads for the tiny Llama in the published checkpoint layouts (``eagle_checkpoints.py``);
   the EAGLE-3 head fuses target layers 0, 1, 2 (its config.json says so).
@@ -86,3 +88,12 @@ def base(tiny_llama_dir) -> Session:
     one per test module: run it with ``use_speculation=False`` for the non-speculative
     output. A module that needs another configuration defines its own ``base``."""
     return make_session(tiny_llama_dir)
+
+
+@pytest.fixture
+def triton_device(request) -> torch.device:
+    """Device the Triton side of a kernel test runs on (CUDA, or CPU via the interpreter),
+    else skip (``triton_modes.py``)."""
+    from triton_modes import device_or_skip
+
+    return device_or_skip(request.module.__name__)

@@ -9,7 +9,9 @@ cache checker of C4/C5 in ``kv_shadow.py``; what is specific to one file stays t
 * the non-speculative truth the oracle drafters replay: :func:`greedy_truth`,
   :func:`oracle_table`, :func:`find_block_end`;
 * :func:`reference_ngram` (plain prompt lookup) and :func:`patched` (temporarily replace
-  a method on one object).
+  a method on one object);
+* random token trees for the tree attention tests: :func:`random_parents`,
+  :func:`random_tree_inputs`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 import torch
 
 from specc.sampling_params import SamplingParams
+from specc.runtime.token_tree import batch_ancestor_mask
 from specc.session import Session
 
 # ------------------------------------------------------------------------------ tiny models
@@ -176,3 +179,26 @@ def patched(obj, name: str, new: Callable):
             setattr(obj, name, old)
         else:
             delattr(obj, name)
+
+
+# ------------------------------------------------------------------------------ token trees
+def random_parents(gen: torch.Generator, rows: int, k: int) -> torch.Tensor:
+    """``[rows, k]`` int64 random token-tree parents: ``[b, i]`` uniform in ``0..i``."""
+    return (torch.rand(rows, k, generator=gen) * torch.arange(1, k + 1)).long()
+
+
+def random_tree_inputs(seed: int, bsz: int, heads: int, kv_heads: int, n: int, d: int, s: int,
+                       dtype=torch.float32, device="cpu"):
+    """``(q, k_cache, v_cache, prefix_lens, tree_mask, parents)``: random parents
+    (``parents[b, i]`` uniform in ``0..i``), prefix lengths ``0..s - n`` that differ per row
+    (the first row 0, the last ``s - n``: a tree that ends at the cache's end)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_parents(gen, bsz, n - 1)
+    prefix_lens = torch.randint(0, s - n + 1, (bsz,), generator=gen)
+    prefix_lens[0], prefix_lens[-1] = 0, s - n
+    q = torch.randn(bsz, heads, n, d, generator=gen)
+    k = torch.randn(bsz, kv_heads, s, d, generator=gen)
+    v = torch.randn(bsz, kv_heads, s, d, generator=gen)
+    on = (lambda t: t.to(device=device, dtype=dtype))
+    return (on(q), on(k), on(v), prefix_lens.to(device), batch_ancestor_mask(parents).to(device),
+            parents)

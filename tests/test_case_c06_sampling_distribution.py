@@ -5,7 +5,8 @@ that the *runtime path* is lossless: per-request uniforms, the drafters' process
 probabilities q (draft model, early exit, EAGLE heads; EAGLE-3's q over its reduced draft
 vocabulary, mapped to target ids), the n-gram and suffix drafters' one-hot q
 (suffix with its global tree on: drafts from other requests' sampled outputs; suffix
-candidate *trees*, verified by the tree sampler's recursive rejection), padded
+candidate *trees* and n-gram continuation *trees*, verified by the tree sampler's
+recursive rejection), padded
 verify batches and the engine's bookkeeping.
 
 Toy model: a 2-layer random Llama with a 64-token vocabulary (so chi-square cells are
@@ -56,7 +57,8 @@ SETTINGS = {
     "top_k2": dict(top_k=2),
     "t1.3": dict(temperature=1.3),
 }
-METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix", "eagle", "eagle3", "suffix_tree"]
+METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix", "eagle", "eagle3", "suffix_tree",
+           "ngram_tree"]
 
 
 def _build_toy(out_dir: Path, tokenizer, seed: int) -> Path:
@@ -101,6 +103,8 @@ def _spec_config(method: str, dirs: tuple[Path, Path], heads: dict[str, Path]) -
         return drafter_spec("draft_model", K, target)
     if method == "suffix_tree":  # candidate trees: the tree sampler's recursive rejection
         return drafter_spec("suffix", K, suffix_decoding_propose_tree=True)
+    if method == "ngram_tree":  # the seed's several earlier continuations merged into trees
+        return drafter_spec("ngram", K, ngram_propose_tree=True)
     return drafter_spec(method, K, other)  # draft_model: the other toy drafts
 
 

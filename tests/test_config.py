@@ -238,6 +238,16 @@ def test_ngram_lookup_ge_1(field):
     assert f"speculative_config.{field} = 0: must be >= 1" in err(spec(method="ngram", **{field: 0}))
 
 
+def test_ngram_propose_tree():
+    assert load_config(spec(method="ngram")).speculative_config.ngram_propose_tree is False
+    sc = load_config(spec(method="ngram", ngram_propose_tree=True)).speculative_config
+    assert sc.ngram_propose_tree is True and sc.tree_field == "ngram_propose_tree"
+    assert load_config(spec(method="suffix")).speculative_config.ngram_propose_tree is None
+    assert "speculative_config.ngram_propose_tree = 'maybe'" in err(spec(method="ngram", ngram_propose_tree="maybe"))
+    msg = err(spec(method="suffix", ngram_propose_tree=True))
+    assert "speculative_config.ngram_propose_tree = true: not allowed with method 'suffix' (only with 'ngram')" in msg
+
+
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_num_speculative_tokens_ok(k):
     assert load_config(spec(method="ngram", num_speculative_tokens=k)).speculative_config.num_speculative_tokens == k
@@ -504,6 +514,11 @@ def test_example_ngram():
     sc = load_config(EXAMPLES / "smollm2-ngram.yaml").speculative_config
     assert sc.method == "ngram" and sc.num_speculative_tokens == 4
     assert 1 <= sc.prompt_lookup_min <= sc.prompt_lookup_max
+
+
+def test_example_ngram_tree():
+    cfg = load_config(EXAMPLES / "smollm2-ngram-tree.yaml")
+    assert cfg.speculative_config.ngram_propose_tree and not cfg.enforce_eager  # compiles: tree_step
 
 
 def test_example_early_exit():

@@ -1,21 +1,7 @@
 """Triton accept/reject kernel (specc.kernels.rejection_sampler_triton) vs the torch reference.
 
-Where the Triton side runs:
-
-* a CUDA device is present: on CUDA, in this process (the reference runs on CUDA too,
-  on the same inputs);
-* no GPU but ``triton`` installed: on CPU tensors through Triton's interpreter. That
-  needs ``TRITON_INTERPRET=1`` in the environment *before* ``triton`` is first imported
-  (Triton decorates its own library functions, ``tl.max``, ``tl.cumsum``..., at import,
-  in the mode the variable selects then), which a running pytest process can no longer
-  guarantee. So :func:`test_triton_side_in_interpreter_subprocess` reruns this file in
-  a child ``pytest`` with ``TRITON_INTERPRET=1`` set from the start and fails with the
-  child's output if anything there fails; in the parent, the Triton tests skip, naming
-  that test. (Running ``TRITON_INTERPRET=1 pytest tests/test_rejection_sampler_triton.py``
-  directly runs them in-process.) The compiled-mode test
-  (:func:`test_kernel_compiles_for_cuda_ahead_of_time`) runs in the parent only;
-* ``triton`` not installed (the CI default: it is not a specc dependency): the Triton
-  tests skip with that reason; the import/dispatch tests still run.
+Where the Triton side runs: ``tests/triton_modes.py`` (CUDA, Triton's interpreter in a
+child pytest, or skipped without triton).
 
 Exactness. Accept decisions, ``num_accepted``, accepted tokens and greedy tokens must be
 bit-identical. The sampled recovered/bonus token can only differ where ``u * total``
@@ -33,50 +19,16 @@ bound ``V * 2**-24 * total`` of their shared boundary).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from specc.kernels import rejection_sampler_triton as rst
 from specc.kernels.rejection_sampler import RejectionOutput, rejection_sample
 from specc.runtime.sampling import sample_from_probs
+from triton_modes import cuda_compiler_or_skip, rerun_in_interpreter
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-_SUBPROCESS_TEST = "test_triton_side_in_interpreter_subprocess"
-
-
-def _run_mode() -> str:
-    """``cuda``, ``interpreter`` (in this process), ``subprocess`` or ``none`` (no triton)."""
-    if not rst.TRITON_AVAILABLE:
-        return "none"
-    if torch.cuda.is_available():
-        return "cuda"
-    if rst._interpreter_ready():
-        return "interpreter"
-    return "subprocess"
-
-
-@pytest.fixture
-def triton_device() -> torch.device:
-    """Device the Triton side runs on (CUDA, or CPU via the interpreter), else skip."""
-    mode = _run_mode()
-    if mode == "none":
-        pytest.skip(
-            "triton is not installed (optional, not a specc dependency): the Triton "
-            f"rejection-sampling kernel cannot run ({rst._TRITON_IMPORT_ERROR})"
-        )
-    if mode == "subprocess":
-        pytest.skip(
-            f"no GPU: runs under Triton's interpreter in the child pytest of {_SUBPROCESS_TEST}"
-        )
-    return torch.device("cuda" if mode == "cuda" else "cpu")
 
 
 @pytest.fixture
@@ -290,19 +242,7 @@ def test_shape_errors(triton_device):
 
 def test_triton_side_in_interpreter_subprocess():
     """No GPU, triton installed: rerun this file with TRITON_INTERPRET=1 from the start."""
-    mode = _run_mode()
-    if mode != "subprocess":
-        pytest.skip(f"the Triton tests run in this process ({mode})" if mode != "none"
-                    else "triton is not installed (optional, not a specc dependency)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-           "-k", f"not {_SUBPROCESS_TEST} and not ahead_of_time"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"child pytest failed (rc {proc.returncode}):\n{out[-6000:]}"
-    summary = out.strip().splitlines()[-1]
-    assert "passed" in summary and "skipped" not in summary, summary
+    rerun_in_interpreter(__file__)
 
 
 # ----------------------------------------------------------------- Triton vs reference
@@ -440,19 +380,7 @@ def test_auto_dispatch_matches(triton_device):
 def test_kernel_compiles_for_cuda_ahead_of_time(monkeypatch):
     """The interpreter runs the kernel as Python; this checks the real Triton compiler
     accepts it (loop-carried types, scalar control flow) for sm_90, with no GPU needed."""
-    if not rst.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed (optional, not a specc dependency)")
-    if rst._interpreter_ready():
-        pytest.skip("triton was imported in interpreter mode; this compiled-mode test "
-                    "runs in the parent process")
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import triton.backends.nvidia.compiler  # noqa: F401
-    except Exception as err:  # noqa: BLE001
-        pytest.skip(f"triton's CUDA backend is not available for ahead-of-time compiles: {err}")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    triton, GPUTarget, ASTSource = cuda_compiler_or_skip(monkeypatch)
     fn = triton.jit(rst._rejection_sample_kernel)
     sig = {
         "logits_ptr": "*fp32", "probs_ptr": "*fp32", "q_ptr": "*fp32", "drafts_ptr": "*i64",

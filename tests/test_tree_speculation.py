@@ -1,7 +1,7 @@
 """Tree speculation on the eager engine (issue #6).
 
 * greedy output equals non-speculative greedy with suffix-decoding trees
-  (``suffix_decoding_propose_tree``) and with a static tree (vLLM's
+  (``suffix_decoding_propose_tree``), n-gram trees (``ngram_propose_tree``) and with a static tree (vLLM's
   ``speculative_token_tree`` format) filled by an oracle whose true token sits at a
   non-first child, so accepted paths leave the first-child chain and KV compaction moves
   entries; batches where every row has its own tree;
@@ -135,11 +135,18 @@ def test_static_tree_oracle_greedy_and_compaction(tiny_llama_dir, base):
     assert max(max(o.metrics.tokens_per_step) for o in outs) == 4
 
 
-@pytest.mark.parametrize("max_cached", [0, 100])
-def test_suffix_trees_greedy_equals_nonspec(tiny_llama_dir, base, max_cached):
-    spec = drafter_spec("suffix", K, suffix_decoding_propose_tree=True,
-                        suffix_decoding_max_cached_requests=max_cached)
-    session = make_session(tiny_llama_dir, spec)
+TREE_SPECS = {
+    "suffix_own_trees": drafter_spec("suffix", K, suffix_decoding_propose_tree=True,
+                                     suffix_decoding_max_cached_requests=0),
+    "suffix_global_tree": drafter_spec("suffix", K, suffix_decoding_propose_tree=True,
+                                       suffix_decoding_max_cached_requests=100),
+    "ngram": drafter_spec("ngram", K, ngram_propose_tree=True),
+}
+
+
+@pytest.mark.parametrize("drafter", list(TREE_SPECS))
+def test_tree_drafters_greedy_equal_nonspec(tiny_llama_dir, base, drafter):
+    session = make_session(tiny_llama_dir, TREE_SPECS[drafter])
     proposals = []
     orig = session.proposer.propose
 
@@ -155,7 +162,7 @@ def test_suffix_trees_greedy_equals_nonspec(tiny_llama_dir, base, max_cached):
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     branching = [p for p in proposals if p.parents is not None and any(
         not TokenTree(tuple(row[:n].tolist())).is_chain for row, n in zip(p.parents, p.num_draft_tokens))]
-    assert branching, "the suffix drafter proposed no branching tree"
+    assert branching, f"the {drafter} drafter proposed no branching tree"
     assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
 
 
@@ -171,16 +178,18 @@ def test_chain_as_tree_is_identical(tiny_llama_dir, params):
     assert [o.metrics.tokens_per_step for o in a] == [o.metrics.tokens_per_step for o in b]
 
 
-def test_tree_configs_plan_tree_steps():
-    """suffix_decoding_propose_tree: a tree_step per bucket beside the chain programs;
-    chain configs plan none."""
-    tree_spec = drafter_spec("suffix", K, suffix_decoding_propose_tree=True)
+@pytest.mark.parametrize("method,field", [("suffix", "suffix_decoding_propose_tree"),
+                                          ("ngram", "ngram_propose_tree")])
+def test_tree_configs_plan_tree_steps(method, field):
+    """A tree switch: a tree_step per bucket beside the chain programs; chain configs
+    plan none."""
+    tree_spec = drafter_spec(method, K, **{field: True})
     plan = plan_programs(load_config({"target": "x", "batch_buckets": [1, 4], "speculative_config": tree_spec}))
     check_compilable(load_config({"target": "x", "speculative_config": tree_spec}))
     trees = [p for p in plan if p["kind"] == "tree_step"]
     assert [(p["name"], p["batch"], p["tokens"]) for p in trees] == [("tree_step_b1", 1, K + 1),
                                                                       ("tree_step_b4", 4, K + 1)]
-    chain = plan_programs(load_config({"target": "x", "speculative_config": drafter_spec("suffix", K)}))
+    chain = plan_programs(load_config({"target": "x", "speculative_config": drafter_spec(method, K)}))
     assert not [p for p in chain if p["kind"] == "tree_step"]
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -125,3 +127,25 @@ def pad_drafts(drafts: list[list[int]], width: int | None = None) -> tuple[torch
         if d:
             ids[b, : len(d)] = torch.tensor(d, dtype=torch.long)
     return ids, torch.tensor([len(d) for d in drafts], dtype=torch.long)
+
+
+class DraftTree(Protocol):
+    """One row's token tree as a drafter builds it (e.g.
+    :class:`specc.runtime.drafters.suffix_tree.Candidate`): ``token_ids[i]`` follows the
+    context when ``parents[i] == -1``, else ``token_ids[parents[i]]`` (``parents[i] < i``)."""
+
+    token_ids: list[int]
+    parents: list[int]
+
+
+def tree_proposal(trees: Sequence[DraftTree]) -> Proposal:
+    """Pack per-row draft trees into a tree :class:`Proposal`: node ``i + 1`` is
+    ``trees[b].token_ids[i]``, its parent node ``trees[b].parents[i] + 1`` (the context,
+    -1, becomes the root, node 0). Padding entries of ``parents`` are chain-like (``i``),
+    in range. The one format conversion every tree-proposing drafter uses."""
+    ids, num = pad_drafts([t.token_ids for t in trees])
+    parents = torch.arange(ids.shape[1]).repeat(len(trees), 1)
+    for b, t in enumerate(trees):
+        if t.parents:
+            parents[b, : len(t.parents)] = torch.tensor(t.parents, dtype=torch.long) + 1
+    return Proposal(ids, num, None, parents)

@@ -24,7 +24,7 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
     if spec.method == "ngram":
         from specc.runtime.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max, propose_tree=spec.ngram_propose_tree)
     if spec.method == "suffix":
         from specc.runtime.drafters.suffix import SuffixDrafter
 

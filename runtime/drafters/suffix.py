@@ -33,9 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import count
 
-import torch
-
-from specc.runtime.drafters.base import Proposal, Proposer, StepBatch, pad_drafts
+from specc.runtime.drafters.base import Proposal, Proposer, StepBatch, pad_drafts, tree_proposal
 from specc.runtime.drafters.suffix_tree import Candidate, SuffixTree
 from specc.runtime.request import Request
 
@@ -104,14 +102,10 @@ class SuffixDrafter(Proposer):
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms) -> Proposal:
         cands = [self.candidate(req, cap) if cap > 0 else Candidate()
                  for req, cap in zip(batch.requests, max_drafts)]
+        if self.propose_tree:
+            return tree_proposal(cands)
         ids, num = pad_drafts([c.token_ids for c in cands])
-        if not self.propose_tree:
-            return Proposal(ids, num, None)
-        parents = torch.arange(ids.shape[1]).repeat(len(cands), 1)  # padding: chain-like, in range
-        for b, c in enumerate(cands):
-            if c.parents:  # Candidate: -1 = the context; token tree: node 0 = the last token
-                parents[b, : len(c)] = torch.tensor(c.parents, dtype=torch.long) + 1
-        return Proposal(ids, num, None, parents)
+        return Proposal(ids, num, None)
 
     def on_verified(self, batch: StepBatch, num_accepted: list[int], accepted_paths=None) -> None:
         """Append each request's emitted tokens (the accepted path's tokens and the

@@ -1,0 +1,96 @@
+"""oneDNN-packed weights for bf16 CPU programs (passes/packed_weights.py).
+
+* lower_packed maps every packed constant back to the artifact constant it was made
+  from (incl. transposed sources), and a program bound through bind_constants computes
+  what the same program computes with plain weights;
+* a bf16 artifact of the tiny Llama (n-gram, bucket 1) binds one packed copy per
+  weight for all its programs, and its greedy output equals the eager bf16 output.
+
+Skipped where oneDNN has no native bf16 (no AVX-512 BF16 / AMX): there the compiler
+lowers bf16 programs without packing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import drafter_spec, greedy, make_session
+from specc import Session
+from specc.compiler import compile_artifact
+from specc.passes.packed_weights import PackedWeights, bind_constants, lower_packed, uses_packed_weights
+
+pytestmark = pytest.mark.skipif(not uses_packed_weights(torch.bfloat16, "cpu"),
+                                reason="oneDNN without native bf16 on this CPU")
+
+
+class _Tiny(torch.nn.Module):
+    """Two linears, a norm weight and a tied embedding / lm_head (the shapes that matter)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.up = torch.nn.Parameter(torch.randn(96, 40, generator=g) * 0.1)
+        self.down_t = torch.nn.Parameter(torch.randn(96, 40, generator=g) * 0.1)  # stored [in, out]
+        self.norm = torch.nn.Parameter(torch.rand(40, generator=g) + 0.5)
+        self.emb = torch.nn.Parameter(torch.randn(50, 40, generator=g))
+
+    def forward(self, ids):
+        x = self.emb[ids] * self.norm
+        x = torch.relu(x @ self.up.t()) @ self.down_t
+        return x @ self.emb.t()
+
+
+def test_lower_packed_maps_and_matches_plain(tmp_path):
+    m = _Tiny().to(torch.bfloat16).eval()
+    ids = torch.tensor([[1, 7, 3, 49, 0]])
+    consts = dict(m.named_parameters())
+    ep = torch.export.export(m, (ids,))
+    packed_map = lower_packed(ep, consts, tmp_path / "p.pt2")
+    sources = {(v["source"], v["transpose"], v["packed"]) for v in packed_map.values()}
+    assert {s for s in sources if s[2]} == {("up", False, True), ("down_t", True, True), ("emb", False, True)}
+    runner = torch._inductor.aoti_load_package(str(tmp_path / "p.pt2"))
+    cache = PackedWeights()
+    bind_constants(runner, consts, packed_map, cache)
+    assert len(cache) == len(sources)
+    with torch.no_grad():
+        ref = m(ids).float()
+    got = runner(ids).float()
+    # bf16 outputs: equal up to a couple of bf16 rounding steps of the largest logit
+    assert torch.allclose(got, ref, atol=2 * ref.abs().max().item() * 2 ** -8, rtol=0)
+
+
+def test_bind_constants_needs_a_cache_for_packed_programs():
+    class _Runner:
+        def get_constant_fqns(self):
+            return ["_frozen_param0"]
+
+    with pytest.raises(ValueError, match="PackedWeights"):
+        bind_constants(_Runner(), {"w": torch.zeros(2, 2)}, {"_frozen_param0": {"source": "w", "transpose": False, "packed": True}})
+
+
+def test_bf16_artifact_shares_packed_weights_and_is_lossless(tiny_llama_dir, tmp_path):
+    """One packed copy per weight for all programs; speculative == non-speculative on the
+    compiled path; every compiled greedy token is a bf16 near-tie-or-argmax of the
+    reference model (transformers, bf16), since bf16 kernels may round ties apart."""
+    from transformers import AutoModelForCausalLM
+
+    spec = drafter_spec("ngram", 3)
+    cfg = dict(target=str(tiny_llama_dir), dtype="bfloat16", max_model_len=96, max_num_seqs=1,
+               batch_buckets=[1], speculative_config=spec)
+    art = compile_artifact(cfg, tmp_path / "build", progress=False)
+    compiled = Session(str(art), verbose=False)
+    maps = [p["packed_constants"] for p in compiled.artifact.manifest["programs"]]
+    sources = {(v["source"], v["transpose"], v["packed"]) for m in maps for v in m.values()}
+    assert all(maps) and len(compiled.programs.packed) == len(sources)  # one packed copy per weight
+    prompts = [[5, 9, 11, 5, 9, 11, 5, 9], [17, 4, 4, 17, 4, 4, 17]]
+    spec_out = [o.token_ids for o in compiled.generate(prompts, greedy(12))]
+    plain_out = [o.token_ids for o in compiled.generate(prompts, greedy(12), use_speculation=False)]
+    assert spec_out == plain_out
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.bfloat16).eval()
+    for prompt, out in zip(prompts, spec_out):
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        best = logits.max(dim=1).values
+        assert (best - chosen <= 4 * best.abs() * 2 ** -8 + 1e-3).all(), (best - chosen)

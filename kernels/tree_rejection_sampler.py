@@ -106,7 +106,10 @@ def tree_rejection_sample(
                          f"uniforms_accept {tuple(uniforms_accept.shape)} must all be [B, K] = [{bsz}, {k}]")
     device = target_logits.device
     node = torch.arange(k, device=device)
-    if k and (bool((parents < 0).any()) or bool((parents > node[None]).any())):
+    # a value check (a host sync): skipped while tracing a program, whose inputs the
+    # runtime builds from validated trees and whose padding rows get parents 0
+    if k and not torch.compiler.is_compiling() and (bool((parents < 0).any()) or
+                                                     bool((parents > node[None]).any())):
         raise ValueError("parents[b, i] must lie in [0, i] (node i + 1's parent precedes it)")
     valid = node[None] < num_draft_tokens.clamp(0, k)[:, None]  # [B, K]
     tokens = torch.where(valid, draft_token_ids, 0).clamp(0, vocab - 1)

@@ -39,6 +39,8 @@ The computation is the plain function :func:`accept_reject_outputs`; the pass tr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
@@ -52,6 +54,9 @@ __all__ = [
     "ACCEPT_REJECT_OUTPUTS",
     "accept_reject_outputs",
     "fuse_accept_reject",
+    "output_logprobs",
+    "processed_logits",
+    "verify_graph_logits",
 ]
 
 #: Placeholders :func:`fuse_accept_reject` appends, in order.
@@ -133,18 +138,9 @@ def accept_reject_outputs(
     k = int(num_speculative_tokens)
     _check_shapes(logits, input_ids, num_draft_tokens, uniforms, temperature, top_k, top_p,
                   k, int(max_logprobs))
-    bsz, t, vocab = logits.shape
-    rows = bsz * t
-
-    def per_position(x: torch.Tensor) -> torch.Tensor:  # [B] -> [B * T], row-major like logits
-        return x.unsqueeze(1).expand(bsz, t).reshape(rows)
-
-    processed = process_logits(
-        logits.reshape(rows, vocab), per_position(temperature), per_position(top_k),
-        per_position(top_p), branch_free=branch_free,
-    )
+    processed = processed_logits(logits, temperature, top_k, top_p, branch_free=branch_free)
     result = rejection_sample(
-        processed.view(bsz, t, vocab),
+        processed,
         input_ids[:, 1:],
         num_draft_tokens,
         draft_probs,
@@ -152,12 +148,34 @@ def accept_reject_outputs(
         uniforms[:, k : 2 * k],
         uniforms[:, 2 * k],
     )
-    tokens = result.output_token_ids
-    token_lp, top_ids, top_lp = compute_logprobs(processed, tokens.clamp_min(0).reshape(rows),
-                                                 int(max_logprobs))
+    return (result.output_token_ids, result.num_accepted,
+            *output_logprobs(processed, result.output_token_ids, int(max_logprobs)))
+
+
+def processed_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, *, branch_free: bool = False) -> torch.Tensor:
+    """``[B, T, V]`` raw logits -> float32, each row's processors (``[B]`` temperature,
+    top-k, top-p) applied at every position (``branch_free``: no ``torch.cond``, for CUDA
+    graphs)."""
+    bsz, t, vocab = logits.shape
+    rows = bsz * t
+
+    def per_position(x: torch.Tensor) -> torch.Tensor:  # [B] -> [B * T], row-major like logits
+        return x.unsqueeze(1).expand(bsz, t).reshape(rows)
+
+    processed = process_logits(logits.reshape(rows, vocab), per_position(temperature), per_position(top_k),
+                               per_position(top_p), branch_free=branch_free)
+    return processed.view(bsz, t, vocab)
+
+
+def output_logprobs(processed: torch.Tensor, tokens: torch.Tensor, max_logprobs: int):
+    """``(token_logprobs [B, T], top_logprob_ids [B, T, m], top_logprobs [B, T, m])`` of
+    ``tokens`` ``[B, T]`` (``-1`` scored as token 0) under ``processed`` ``[B, T, V]``."""
+    bsz, t, vocab = processed.shape
+    token_lp, top_ids, top_lp = compute_logprobs(processed.reshape(bsz * t, vocab),
+                                                 tokens.clamp_min(0).reshape(bsz * t), max_logprobs)
     m = top_ids.shape[-1]
-    return (tokens, result.num_accepted, token_lp.view(bsz, t), top_ids.view(bsz, t, m),
-            top_lp.view(bsz, t, m))
+    return token_lp.view(bsz, t), top_ids.view(bsz, t, m), top_lp.view(bsz, t, m)
 
 
 class _AcceptReject(torch.nn.Module):
@@ -216,16 +234,61 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
             appended placeholder name is taken, or ``max_logprobs`` is out of range.
     """
     k = int(num_speculative_tokens)
+    host = verify_graph_logits(gm, k, int(max_logprobs), "fuse_accept_reject", with_drafts=True)
+    bsz, t, vocab, dev = host.batch, k + 1, host.vocab, host.device
+    example = (
+        torch.empty(bsz, t, vocab, dtype=torch.float32, device=dev),
+        torch.zeros(bsz, t, dtype=torch.int64, device=dev),
+        torch.zeros(bsz, dtype=torch.int64, device=dev),
+        torch.zeros(bsz, 2 * k + 1, dtype=torch.float32, device=dev),
+        torch.zeros(bsz, dtype=torch.float32, device=dev),
+        torch.zeros(bsz, dtype=torch.int64, device=dev),
+        torch.ones(bsz, dtype=torch.float32, device=dev),
+    )
+    inputs: dict[str, fx.Node | str] = {"logits": host.logits, "input_ids": host.input_ids}
+    if host.draft_probs is not None:
+        example += (torch.zeros(bsz, k, vocab, dtype=torch.float32, device=dev),)
+        inputs["draft_probs"] = host.draft_probs
+    guest = export_flat(_AcceptReject(k, int(max_logprobs), branch_free), example)
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}  # the draft loop's inputs are shared
+    inputs.update({name: by_name.get(name, name) for name in ACCEPT_REJECT_INPUTS})
+    return replace_outputs(gm, splice(gm, guest, inputs))
+
+
+@dataclass
+class HostLogits:
+    """What the accept/reject passes read from a verify graph (:func:`verify_graph_logits`)."""
+
+    input_ids: fx.Node  # [B, T] int64: the first placeholder, or a draft-then-verify graph's verified ids
+    logits: fx.Node  # [B, T, V] float32 (a cast appended when the graph's are not)
+    batch: int
+    vocab: int
+    device: torch.device
+    draft_probs: fx.Node | None = None  # [B, T - 1, V] float32, a draft-then-verify graph's q
+
+
+def verify_graph_logits(gm: fx.GraphModule, k: int, max_logprobs: int, who: str, *,
+                        with_drafts: bool = False) -> HostLogits:
+    """Check that ``gm`` is a flat verify graph of ``T = k + 1`` tokens per row (first
+    placeholder ``input_ids``, one output ``logits [B, T, V]``, shapes in ``meta["val"]``;
+    with ``with_drafts`` also a draft-then-verify graph returning ``(logits, verified_ids
+    [B, T], draft_probs [B, T - 1, V])``) and return its logits as float32.
+
+    Raises:
+        ValueError: the graph does not meet that, ``k < 0``, or ``max_logprobs`` not in
+            ``0..V``.
+    """
     if k < 0:
-        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not phs or phs[0].name != "input_ids":
-        raise ValueError("fuse_accept_reject needs a graph whose first placeholder is input_ids, "
+        raise ValueError(f"{who} needs a graph whose first placeholder is input_ids, "
                          f"got {[n.name for n in phs[:1]]}")
     outs = output_values(gm)
-    if len(outs) not in (1, 3) or not all(isinstance(o, fx.Node) for o in outs):
-        raise ValueError("fuse_accept_reject needs a graph returning (logits,) or (logits, verified_ids, "
-                         f"draft_probs), got {len(outs)} outputs")
+    shapes = (1, 3) if with_drafts else (1,)
+    if len(outs) not in shapes or not all(isinstance(o, fx.Node) for o in outs):
+        wanted = "(logits,) or (logits, verified_ids, draft_probs)" if with_drafts else "(logits,)"
+        raise ValueError(f"{who} needs a graph returning {wanted}, got {len(outs)} outputs")
     ids_node, q_node = (phs[0], None) if len(outs) == 1 else outs[1:]
     ids_val = _meta_val(ids_node, "input_ids")
     logits_val = _meta_val(outs[0], "logits")
@@ -243,31 +306,16 @@ def fuse_accept_reject(gm: fx.GraphModule, *, num_speculative_tokens: int,
                          f"needs T = {k + 1}")
     if not 0 <= max_logprobs <= vocab:
         raise ValueError(f"max_logprobs must be in 0..V = 0..{vocab}, got {max_logprobs}")
-
-    dev = logits_val.device  # trace on the program's device: device kwargs are baked in
-    example = (
-        torch.empty(bsz, t, vocab, dtype=torch.float32, device=dev),
-        torch.zeros(bsz, t, dtype=torch.int64, device=dev),
-        torch.zeros(bsz, dtype=torch.int64, device=dev),
-        torch.zeros(bsz, 2 * k + 1, dtype=torch.float32, device=dev),
-        torch.zeros(bsz, dtype=torch.float32, device=dev),
-        torch.zeros(bsz, dtype=torch.int64, device=dev),
-        torch.ones(bsz, dtype=torch.float32, device=dev),
-    )
-    if logits_val.dtype != torch.float32:  # accept_reject_outputs works in float32
+    logits = outs[0]
+    if logits_val.dtype != torch.float32:  # the accept/reject functions work in float32
         with gm.graph.inserting_before(output_node(gm.graph)):
-            logits_node = gm.graph.call_function(torch.ops.aten._to_copy.default, (outs[0],),
-                                                 {"dtype": torch.float32})
-    else:
-        logits_node = outs[0]
-    inputs: dict[str, fx.Node | str] = {"logits": logits_node, "input_ids": ids_node}
-    if q_node is not None:
-        example += (torch.zeros(bsz, k, vocab, dtype=torch.float32, device=dev),)
-        inputs["draft_probs"] = q_node
-    guest = export_flat(_AcceptReject(k, int(max_logprobs), branch_free), example)
-    by_name = {n.name: n for n in phs}  # inputs the draft loop already reads are shared
-    inputs.update({name: by_name.get(name, name) for name in ACCEPT_REJECT_INPUTS})
-    results = splice(gm, guest, inputs)
+            logits = gm.graph.call_function(torch.ops.aten._to_copy.default, (outs[0],), {"dtype": torch.float32})
+    # trace the guests on the program's device: device kwargs are baked in
+    return HostLogits(ids_node, logits, bsz, vocab, logits_val.device, q_node)
+
+
+def replace_outputs(gm: fx.GraphModule, results) -> fx.GraphModule:
+    """Make the spliced ``results`` the graph's outputs; lint and recompile."""
     output_node(gm.graph).args = (tuple(results),)
     gm.graph.lint()
     gm.recompile()

@@ -6,34 +6,59 @@ excluded) must end up at ``start[b] + 1 .. start[b] + a``, where later steps rea
 RoPE positions (``start + depth``) already are those, so the entries are moved unchanged.
 Entries of rejected nodes stay beyond the sequence's new length and are rewritten before
 any query can see them, as with rejected chain drafts. A chain, or a path along the
-first children, moves nothing.
+first children, moves nothing (its entries are rewritten with themselves).
+
+Plain tensor code with static shapes and no host sync: the eager engine calls
+:func:`compact_accepted_kv` after its tree accept/reject, and the compiled tree step
+(:mod:`specc.passes.accept_reject`, ``fuse_tree_accept_reject``) runs the same function
+inside its graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from specc.models.kv_cache import KVCache
-
-__all__ = ["compaction_moves", "compact_accepted_kv"]
+__all__ = ["compaction_indices", "compact_accepted_kv"]
 
 
-def compaction_moves(start: list[int], accepted_nodes: list[list[int]]) -> list[tuple[int, int, int]]:
-    """``(row, destination, source)`` cache positions, in path order, for the entries not
-    already in place. In path order a source ``start + n_j`` (``n_j >= j``) is never a
-    destination of an earlier move (those lie below ``start + j``), so applying the moves
-    one after another is correct."""
-    return [(b, s + j + 1, s + n) for b, (s, nodes) in enumerate(zip(start, accepted_nodes))
-            for j, n in enumerate(nodes) if n != j + 1]
+def compaction_indices(start: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor,
+                       trash_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(destination, source)`` cache positions ``[B, K]`` int64 of the moves.
+
+    Args:
+        start: ``[B]`` int64, the root's cache position.
+        accepted_nodes: ``[B, K + 1]`` int64, ``[0, n_1, .., n_a, -1, ..]``
+            (:class:`specc.kernels.tree_rejection_sampler.TreeRejectionOutput`).
+        num_accepted: ``[B]`` int64, ``a``.
+        trash_pos: the cache's trash position: slot ``j >= a`` moves trash to trash.
+
+    Move ``j`` copies ``start + n_{j+1}`` to ``start + j + 1``. All sources are read
+    before any destination is written (a gather, then a scatter), so the order of the
+    moves does not matter.
+    """
+    k = accepted_nodes.shape[1] - 1
+    j = torch.arange(k, device=start.device)[None]  # [1, K]
+    keep = j < num_accepted[:, None]
+    trash = torch.full_like(accepted_nodes[:, 1:], trash_pos)
+    dst = torch.where(keep, start[:, None] + j + 1, trash)
+    src = torch.where(keep, start[:, None] + accepted_nodes[:, 1:].clamp(min=0), trash)
+    return dst, src
 
 
-@torch.no_grad()
-def compact_accepted_kv(cache: KVCache, start: list[int], accepted_nodes: list[list[int]]) -> int:
-    """Apply :func:`compaction_moves` to every layer's K and V of ``cache`` (row ``b`` =
-    slot ``b``). ``accepted_nodes[b]``: the accepted node indices in path order, root
-    excluded. Returns the number of positions moved per layer and tensor."""
-    moves = compaction_moves(start, accepted_nodes)
-    for b, dst, src in moves:
-        for t in (*cache.k, *cache.v):
-            t[b, :, dst] = t[b, :, src]
-    return len(moves)
+def compact_accepted_kv(kv: Sequence[torch.Tensor], start: torch.Tensor, accepted_nodes: torch.Tensor,
+                        num_accepted: torch.Tensor, trash_pos: int) -> None:
+    """Move the accepted path's K/V in every tensor of ``kv`` (in place).
+
+    Args:
+        kv: per-layer K and V tensors ``[B, kv_heads, max_model_len + 1, head_dim]``
+            (row ``b`` = the row's cache slot), e.g. ``(*cache.k, *cache.v)``.
+        start, accepted_nodes, num_accepted, trash_pos: as :func:`compaction_indices`.
+    """
+    dst, src = compaction_indices(start, accepted_nodes, num_accepted, trash_pos)
+    for t in kv:
+        b, h, _, d = t.shape
+        where_from = src[:, None, :, None].expand(b, h, src.shape[1], d)
+        where_to = dst[:, None, :, None].expand(b, h, dst.shape[1], d)
+        t.scatter_(2, where_to, t.gather(2, where_from))

@@ -183,7 +183,9 @@ class StepGraphs:
         top = programs.buckets[-1]
         pool = torch.cuda.graph_pool_handle() if capture is capture_cuda_graph else None
         self.graphs: dict[tuple[str, int], GraphedProgram] = {}
-        steps = [*programs.spec_step.values(), *programs.decode.values()]
+        # host-draft spec steps and decode; early-exit spec steps ([b, 1] inputs, a torch.cond in the
+        # draft sampling) and tree steps run directly for now (covers() says which)
+        steps = [*(p for p in programs.spec_step.values() if not p.drafts_in_graph), *programs.decode.values()]
         for prog in sorted(steps, key=lambda p: (-p.batch, -p.tokens)):  # largest first: one pool
             for slot0 in range(0, num_slots - prog.batch + 1, top):
                 kv = kv_views(slot0, prog.batch)
@@ -210,6 +212,10 @@ class StepGraphs:
     def capture_all(self) -> None:
         for g in self.graphs.values():
             g.capture_all()
+
+    def covers(self, prog, slot0: int) -> bool:
+        """Whether ``prog`` at group start ``slot0`` has captured graphs."""
+        return (prog.name, slot0) in self.graphs
 
     def __call__(self, prog, slot0: int, values: dict[str, torch.Tensor], needed_keys: int):
         return self.graphs[prog.name, slot0](values, needed_keys)

@@ -42,6 +42,8 @@ from specc.models.kv_cache import KVCache
 from specc.models.llama import LlamaForCausalLM
 from specc.outputs import TokenLogprob
 from specc.passes.kv_compaction import compact_accepted_kv
+from specc.passes.accept_reject import processed_logits
+from specc.passes.tree_accept_reject import path_logits
 from specc.passes.tree_mask import tree_attention_inputs
 from specc.runtime.drafters.base import Proposer, StepBatch
 from specc.runtime.request import Request
@@ -263,11 +265,10 @@ class Engine:
             tokens = result.output_token_ids.tolist()
             accepted = result.num_accepted.tolist()
             nodes = result.accepted_nodes  # [B, K+1]: root, then the path
-            paths = [row[1 : a + 1] for row, a in zip(nodes.tolist(), accepted)]
-            compact_accepted_kv(cache, start.tolist(), paths)
+            compact_accepted_kv((*cache.k, *cache.v), start, nodes, result.num_accepted, self.cache.trash_pos)
             # emitted token j was scored at node nodes[b, j]: logprobs read those rows
-            on_path = processed.gather(1, nodes.clamp(min=0)[:, :, None].expand_as(processed))
-        return tokens, accepted, _EagerLogprobs(on_path, tokens), paths
+            on_path = path_logits(processed, nodes)
+        return tokens, accepted, _EagerLogprobs(on_path, tokens), tree_paths(nodes, accepted)
 
     @staticmethod
     def _verify_inputs(running: list[Request], drafts: torch.Tensor, nd: torch.Tensor):
@@ -281,13 +282,7 @@ class Engine:
     @staticmethod
     def _process(logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """``[B, T, V]`` raw logits -> each row's processors applied (temperature, top-k, top-p)."""
-        B, rep, V = logits.shape
-        return process_logits(
-            logits.reshape(B * rep, V),
-            batch.temperature.repeat_interleave(rep),
-            batch.top_k.repeat_interleave(rep),
-            batch.top_p.repeat_interleave(rep),
-        ).view(B, rep, V)
+        return processed_logits(logits, batch.temperature, batch.top_k, batch.top_p)
 
     def _emit(self, req: Request, tokens: list[int], logprobs, num_drafts: int | None) -> int:
         """Append a step's tokens (stop checks cut them), then logprobs and counters.
@@ -334,6 +329,12 @@ class Engine:
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         greedy = torch.tensor([p.is_greedy for p in ps], dtype=torch.bool)
         return StepBatch(requests, temperature, top_k, top_p, greedy)
+
+
+def tree_paths(accepted_nodes: torch.Tensor, num_accepted: list[int]) -> list[list[int]]:
+    """Per row the accepted node indices in path order, root excluded, from
+    ``accepted_nodes`` ``[B, K+1]`` (``[0, n_1, .., n_a, -1, ..]``)."""
+    return [row[1 : a + 1] for row, a in zip(accepted_nodes.tolist(), num_accepted)]
 
 
 class _EagerLogprobs:

@@ -14,6 +14,9 @@ and token widths stay static per bucket.
   ``T = 1`` it is the body of ``decode[b]``; with ``T = k + 1`` (last token + k drafts)
   the body of ``spec_step[b]``. :mod:`specc.passes.accept_reject` then appends the
   on-device accept/reject, so the compiled program returns tokens, not logits.
+* :class:`TreeVerifyProgram` — a token tree per row (``N = k + 1`` nodes, the tree as
+  inputs): ``[b, N]`` logits under the tree attention mask; the body of ``tree_step[b]``
+  (:mod:`specc.passes.tree_accept_reject` appends accept/reject and KV compaction).
 * :class:`PrefillProgram` — one prompt chunk ``[1, t]`` in, the logits at one index out.
 * :class:`EarlyExitStepProgram` — the draft-then-verify body of ``spec_step[b]`` for an
   early-exit drafter: k draft steps through the target's first N layers, then the
@@ -28,9 +31,10 @@ from torch import nn
 
 from specc.models.kv_cache import KVCache
 from specc.models.llama import LlamaForCausalLM
+from specc.passes.tree_mask import tree_attention_inputs
 from specc.runtime.sampling import greedy_mask, sample_draft
 
-__all__ = ["VerifyProgram", "PrefillProgram", "EarlyExitStepProgram", "flat_kv", "kv_view"]
+__all__ = ["VerifyProgram", "TreeVerifyProgram", "PrefillProgram", "EarlyExitStepProgram", "flat_kv", "kv_view"]
 
 
 def flat_kv(cache: KVCache) -> tuple[torch.Tensor, ...]:
@@ -67,6 +71,34 @@ class VerifyProgram(nn.Module):
                 key_positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, kv_view(kv, self.max_model_len),
                           kv_len=_kv_len(key_positions)).logits
+
+
+class TreeVerifyProgram(nn.Module):
+    """Target forward over a token tree per row (:mod:`specc.runtime.token_tree`), every
+    node in one pass; the tree's positions and mask are built in the graph by
+    :func:`specc.passes.tree_mask.tree_attention_inputs` (the builder the eager engine
+    calls), so the tree is a program input, not a constant.
+
+    forward(input_ids ``[b, N]`` int64 (``[last token, node 1 .. node N-1]``), start
+    ``[b]`` int64 (the root's cache position, ``num_computed``), parents ``[b, N-1]``
+    int64 (node ``i + 1``'s parent at ``[:, i]``, in ``0..i``), num_draft_tokens ``[b]``
+    int64 (nodes ``1..num_draft_tokens`` exist; the rest write at the trash position),
+    kv, key_positions ``[kv_len]``) -> logits ``[b, N, V]`` float32 (row ``i``: after
+    node ``i`` along its path). Node ``m``'s K/V is written at ``start + m``.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, max_model_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.max_model_len = max_model_len
+
+    def forward(self, input_ids: torch.Tensor, start: torch.Tensor, parents: torch.Tensor,
+                num_draft_tokens: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                key_positions: torch.Tensor) -> torch.Tensor:
+        kv_len = key_positions.shape[0]
+        tree = tree_attention_inputs(parents, num_draft_tokens, start, kv_len, self.max_model_len)
+        return self.model(input_ids, tree.positions, kv_view(kv, self.max_model_len), kv_len=kv_len,
+                          attn_mask=tree.mask, cache_positions=tree.cache_positions).logits
 
 
 class PrefillProgram(nn.Module):

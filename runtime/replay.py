@@ -14,7 +14,10 @@ two device parts replaced:
   program which rows are real); ``spec_step_b{b}`` when any row of the group has drafts,
   else ``decode_b{b}``. Drafts are padded to k and the uniforms keep the eager layout
   ``[B, 2k + 1]``, so a compiled step consumes each request's random stream exactly as
-  the eager step does (per-request seeds give the same tokens on both paths).
+  the eager step does (per-request seeds give the same tokens on both paths). A step whose
+  proposal is a token tree (``Proposal.parents``) runs ``tree_step_b{b}`` instead: the
+  tree goes in as ``parents`` / ``num_draft_tokens`` / ``start``, and the program also
+  compacts the accepted path's K/V and returns its node indices.
   An early-exit artifact's ``spec_step`` drafts itself (``draft_layers`` in the manifest):
   it takes the last tokens only, draws its drafts from ``uniforms[:, :k]`` on the device,
   and the proposer is the :class:`~specc.runtime.drafters.in_graph.InGraphDrafter`
@@ -38,7 +41,7 @@ from specc.models.kv_cache import KVCache
 from specc.passes.packed_weights import PackedWeights, bind_constants
 from specc.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
 from specc.runtime.drafters.base import Proposer, StepBatch
-from specc.runtime.engine import Engine
+from specc.runtime.engine import Engine, tree_paths
 from specc.runtime.request import Request
 from specc.runtime.tracing import stage
 
@@ -61,7 +64,8 @@ class ProgramSet:
 
     Attributes:
         prefill: the prefill program (chunks up to ``prefill.tokens``).
-        decode, spec_step: ``{b: program}`` by batch bucket.
+        decode, spec_step, tree_step: ``{b: program}`` by batch bucket (``tree_step``
+            only in artifacts built for tree proposals).
         buckets: sorted batch buckets; k: draft tokens per spec step (0 without speculation).
         drafts_in_graph: the spec steps draft inside the program (early exit) and take no
             draft tokens.
@@ -84,6 +88,7 @@ class ProgramSet:
         self.prefill: _Program | None = None
         self.decode: dict[int, _Program] = {}
         self.spec_step: dict[int, _Program] = {}
+        self.tree_step: dict[int, _Program] = {}
         self.packed = PackedWeights()  # oneDNN-packed weights (bf16/fp16 CPU programs), shared
         for p in m["programs"]:
             runner = torch._inductor.aoti_load_package(str(artifact.path(p["file"])))
@@ -97,6 +102,8 @@ class ProgramSet:
         self.buckets = sorted(self.decode)
         self.k = next(iter(self.spec_step.values())).tokens - 1 if self.spec_step else 0
         self.drafts_in_graph = any(p.drafts_in_graph for p in self.spec_step.values())
+        if self.tree_step and next(iter(self.tree_step.values())).tokens - 1 != self.k:
+            raise ValueError("tree_step and spec_step programs verify different widths")
         self.weights = stored
 
 
@@ -196,33 +203,54 @@ class CompiledEngine(Engine):
         if draft_probs is not None:
             raise NotImplementedError("compiled steps take deterministic host drafts only (ngram, suffix); "
                                       "model drafters run inside the program")
+        return self._run_groups(running, batch, drafts, nd, uniforms)[:3]
+
+    def _verify_tree(self, running: list[Request], batch: StepBatch, drafts: torch.Tensor, parents: torch.Tensor,
+                     nd: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor):
+        if draft_probs is not None:
+            raise ValueError("tree proposals must be deterministic (draft_probs None)")
+        if not self.programs.tree_step:
+            raise NotImplementedError(
+                "this artifact has no tree_step programs (built for chain drafts): build it from a config with "
+                "speculative_config.suffix_decoding_propose_tree (or ngram_propose_tree): true, or set "
+                "enforce_eager: true")
+        return self._run_groups(running, batch, drafts, nd, uniforms, parents)
+
+    def _run_groups(self, running, batch, drafts, nd, uniforms, parents=None):
+        """The step over groups of the largest bucket (a batch beyond it is split):
+        ``(tokens, accepted, logprobs, paths)`` as :meth:`Engine._verify_tree` (``paths``
+        None for chains)."""
         B, top = len(running), self.programs.buckets[-1]
         tokens: list[list[int]] = []
         accepted: list[int] = []
         rows_lp: list[tuple[torch.Tensor, ...]] = []  # per row: (token_lp [T], top_ids [T, L], top_lp [T, L])
+        paths: list[list[int]] | None = None if parents is None else []
         for g0 in range(0, B, top):  # a batch beyond the largest bucket is split
             rows = slice(g0, min(B, g0 + top))
-            out = self._run_group(running[rows], batch, rows, drafts[rows], nd[rows], uniforms[rows], g0)
+            out = self._run_group(running[rows], batch, rows, drafts[rows], nd[rows], uniforms[rows], g0,
+                                  None if parents is None else parents[rows])
             tokens += out[0]
             accepted += out[1]
             rows_lp += list(zip(*out[2]))
+            if paths is not None:
+                paths += tree_paths(out[3], out[1])
 
         def logprobs(b: int, n: int, num_top: int):
             lp, ids, top_lp = rows_lp[b]
             return lp[:n], ids[:n, :num_top], top_lp[:n, :num_top]
 
-        return tokens, accepted, logprobs
+        return tokens, accepted, logprobs, paths
 
-    def _verify_tree(self, *args, **kwargs):
-        raise NotImplementedError(
-            "compiled steps verify chains only: a tree proposal (suffix_decoding_propose_tree, ngram_propose_tree, "
-            "or a proposer that sets Proposal.parents) needs the eager path; set enforce_eager: true")
-
-    def _run_group(self, reqs, batch, rows, drafts, nd, uniforms, slot0):
+    def _run_group(self, reqs, batch, rows, drafts, nd, uniforms, slot0, parents=None):
+        """One program call for up to a bucket of rows: ``tree_step`` when ``parents``
+        (``[n, K]``) is given, else ``spec_step`` (or ``decode`` when no row has drafts).
+        Returns tokens, counts, logprobs ``(token_lp, top_ids, top_lp)`` of the real rows
+        and, for a tree, their ``accepted_nodes`` ``[n, k + 1]``."""
         n, k, dev = len(reqs), self.k, self.cache.device
         b = next(x for x in self.programs.buckets if x >= n)
-        spec = k > 0 and drafts.shape[1] > 0 and bool((nd > 0).any())
-        prog = self.programs.spec_step[b] if spec else self.programs.decode[b]
+        tree = parents is not None
+        spec = tree or (k > 0 and drafts.shape[1] > 0 and bool((nd > 0).any()))
+        prog = (self.programs.tree_step if tree else self.programs.spec_step if spec else self.programs.decode)[b]
         width = k + 1 if spec else 1
         pad = b - n
         ids = torch.zeros(b, 1 if prog.drafts_in_graph else width, dtype=torch.long)
@@ -230,31 +258,38 @@ class CompiledEngine(Engine):
         if spec and not prog.drafts_in_graph:
             ids[:n, 1:1 + drafts.shape[1]] = drafts
         start = torch.tensor([r.num_computed for r in reqs] + [0] * pad)
-        offs = torch.arange(width)
         nd_full = torch.cat([nd, nd.new_zeros(pad)]) if spec else torch.zeros(b, dtype=torch.long)
-        pos = torch.where(offs[None] <= nd_full[:, None], start[:, None] + offs[None],
-                          torch.full((b, width), self.cache.trash_pos))
         # keys: the verify reads up to start + nd; an in-graph draft step s queries start + s, s < k
         reach = nd_full.clamp(min=k - 1) if prog.drafts_in_graph else nd_full
+        needed = int((start + reach).max()) + 1  # keys [0, needed) are read
         u = uniforms if spec else uniforms[:, 2 * k:2 * k + 1]
         u = torch.cat([u, u.new_zeros(pad, u.shape[1])])
-        needed = int((start + reach).max()) + 1  # keys [0, needed) are read
         values = {
-            "input_ids": ids, "positions": pos,
-            "num_draft_tokens": nd_full, "uniforms": u,
+            "input_ids": ids, "num_draft_tokens": nd_full, "uniforms": u,
             "temperature": _pad(batch.temperature[rows], pad), "top_k": _pad(batch.top_k[rows], pad),
             "top_p": _pad(batch.top_p[rows], pad, 1.0), "num_rows": torch.tensor(n),
         }
-        with stage(f"specc.verify[{width}]"):  # verify + accept/reject (+ early-exit drafting), one program
-            if self.graphs is not None:
-                out_ids, num_acc, tok_lp, top_ids, top_lp = self.graphs(prog, slot0, values, needed)
+        if tree:  # nodes beyond a row's drafts: chain-like parents (in range); padding rows: rewritten
+            values["parents"] = torch.arange(k).repeat(b, 1)
+            values["parents"][:n, :parents.shape[1]] = parents
+            values["start"] = start
+        else:
+            offs = torch.arange(width)
+            values["positions"] = torch.where(offs[None] <= nd_full[:, None], start[:, None] + offs[None],
+                                              torch.full((b, width), self.cache.trash_pos))
+        # verify + accept/reject (+ early-exit drafting; + a tree's KV compaction), one program
+        with stage(f"specc.verify_tree[{width}]" if tree else f"specc.verify[{width}]"):
+            if self.graphs is not None and self.graphs.covers(prog, slot0):
+                out = self.graphs(prog, slot0, values, needed)
             else:
                 values["key_positions"] = self._keys(needed)
                 kv = iter(self._kv(slot0, b))
                 args = [next(kv) if name.startswith("kv_") else values[name].to(dev) for name in prog.inputs]
-                out_ids, num_acc, tok_lp, top_ids, top_lp = prog.runner(*args)
-        return (out_ids[:n].tolist(), num_acc[:n].tolist(),
-                (tok_lp[:n].cpu(), top_ids[:n].cpu(), top_lp[:n].cpu()))
+                out = prog.runner(*args)
+        out_ids, num_acc, tok_lp, top_ids, top_lp = out[:5]
+        lp = (tok_lp[:n].cpu(), top_ids[:n].cpu(), top_lp[:n].cpu())
+        result = (out_ids[:n].tolist(), num_acc[:n].tolist(), lp)
+        return (*result, out[5][:n].cpu()) if tree else result
 
 
 def _pad(x: torch.Tensor, pad: int, value: float = 0) -> torch.Tensor:

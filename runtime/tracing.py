@@ -11,6 +11,7 @@ Stage names (see ``docs/bench.md``):
 * ``specc.prefill``: admission of one request (prompt forward, first token, drafter prefill)
 * ``specc.step``: one decode / speculative step for the running batch; inside it
   ``specc.draft``, ``specc.verify[T]`` (target forward over T = drafts + 1 tokens per row;
+  ``specc.verify_tree[T]`` for a token tree of T nodes; compiled: accept/reject included;
   a compiled early-exit step drafts inside that program, so its drafting time is here too),
   ``specc.accept`` (logits processing + accept/reject + read-back) and
   ``specc.bookkeeping`` (appending tokens, stop checks, logprobs, counters, drafter update)

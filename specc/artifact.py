@@ -116,9 +116,11 @@ def model_files_hash(folder: str | os.PathLike) -> str:
 
 
 # Config fields the compiled programs depend on (the rest: sampling defaults, seed,
-# prompt lookup sizes, are read at run time).
+# prompt lookup sizes, are read at run time). The tree switches decide whether the
+# artifact holds tree_step programs.
 _PROGRAM_FIELDS = ("dtype", "device", "max_model_len", "batch_buckets")
-_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens", "num_draft_layers")
+_PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens", "num_draft_layers", "suffix_decoding_propose_tree",
+                        "ngram_propose_tree")
 
 
 def program_config(config: dict[str, Any]) -> dict[str, Any]:

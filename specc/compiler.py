@@ -9,6 +9,8 @@ For each program (see DESIGN.md, "Programs"):
    :func:`~specc.passes.accept_reject.fuse_accept_reject` (accept/reject, sampling and
    logprobs on the device: the program returns tokens and counts, never logits) and
    :func:`~specc.passes.bucket_padding.pad_rows` (padded rows of a bucket are inert);
+   a tree step gets :func:`~specc.passes.tree_accept_reject.fuse_tree_accept_reject`
+   instead of the chain's accept/reject;
 3. export the transformed graph again and lower it with AOTInductor into a ``.pt2``
    package whose constants are kept out of the package: the artifact stores one
    ``weights.safetensors`` for all programs and every program binds the same tensors at
@@ -22,7 +24,12 @@ speculation, ``spec_step_b{b}`` (``[last token, d_1..d_k]`` per row) for every b
 for an early-exit drafter (``draft_model`` with ``num_draft_layers``) ``spec_step`` is the
 fused draft-then-verify program: :class:`~specc.runtime.programs.EarlyExitStepProgram`
 (k draft steps through the first N layers, then the verify, traced as one module so both
-read the same weight constants) with the accept/reject spliced on using the drafter's q. Why AOTInductor packages rather than Inductor's caches: opening a package is a
+read the same weight constants) with the accept/reject spliced on using the drafter's q.;
+for a drafter that proposes token trees (:func:`proposes_trees`) also
+``tree_step_b{b}`` (``k + 1`` tree nodes per row, the tree's parents an input; tree
+accept/reject and KV compaction by :mod:`specc.passes.tree_accept_reject`).
+
+Why AOTInductor packages rather than Inductor's caches: opening a package is a
 ``dlopen`` (~0.2 s per program, measured) with no tracing at all, whereas a warm
 ``torch.compile`` cache still re-traces the model with Dynamo on every start.
 """
@@ -73,7 +80,18 @@ def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
         plan.append(dict(name=f"decode_b{b}", kind="decode", batch=b, tokens=1))
         if k:
             plan.append(dict(name=f"spec_step_b{b}", kind="spec_step", batch=b, tokens=k + 1, **in_graph))
+        if k and proposes_trees(config):
+            plan.append(dict(name=f"tree_step_b{b}", kind="tree_step", batch=b, tokens=k + 1))
     return plan
+
+
+def proposes_trees(config: SpeccConfig) -> bool:
+    """Whether ``config``'s drafter can propose token trees (``suffix_decoding_propose_tree``
+    or ``ngram_propose_tree``): its artifact then holds ``tree_step_b{b}``. Both drafters'
+    trees hold at most ``num_speculative_tokens`` drafts, so a tree step verifies
+    ``N = k + 1`` nodes, the chain step's width."""
+    spec = config.speculative_config
+    return spec is not None and spec.tree_field is not None
 
 
 def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
@@ -90,12 +108,6 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
             "speculative_config: a separate draft model (model:) has no compiled program yet (only early exit, "
             "num_draft_layers, drafts inside spec_step); set enforce_eager: true (specc generate/bench/profile: "
             "--enforce-eager) to run it on the eager path", label)
-    tree_field = config.speculative_config.tree_field if config.speculative_config else None
-    if tree_field is not None:
-        raise ConfigError(
-            f"speculative_config.{tree_field} = true: tree proposals are verified on the eager "
-            "path only so far (the compiled spec_step verifies chains); set enforce_eager: true "
-            "(specc generate/bench/profile: --enforce-eager), or drop the option for chain drafts", label)
     if config.device == "npu":
         raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
                           label)
@@ -185,12 +197,15 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
     temperature, top_k, top_p, num_rows``). An early-exit ``spec_step`` (``draft_layers``)
     takes ``input_ids [b, 1]`` (the last tokens) and its draft loop's ``uniforms,
     temperature, top_k, top_p`` right after ``key_positions``, then ``num_draft_tokens,
-    num_rows``."""
+    num_rows``. A ``tree_step``: ``input_ids, start, parents,
+    num_draft_tokens, kv_0 .. kv_{2L-1}, key_positions, uniforms, temperature, top_k,
+    top_p, num_rows``."""
     from specc.models.kv_cache import KVCache
     from specc.passes.accept_reject import fuse_accept_reject
-    from specc.passes.bucket_padding import pad_rows
+    from specc.passes.bucket_padding import TREE_FILLS, pad_rows
     from specc.passes.signature import export_flat, placeholders
-    from specc.runtime.programs import EarlyExitStepProgram, PrefillProgram, VerifyProgram, flat_kv
+    from specc.passes.tree_accept_reject import fuse_tree_accept_reject
+    from specc.runtime.programs import EarlyExitStepProgram, PrefillProgram, TreeVerifyProgram, VerifyProgram, flat_kv
 
     b, t, S, dev = prog["batch"], prog["tokens"], cfg.max_model_len, cfg.device
     kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
@@ -210,22 +225,33 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
             gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv, keys), dyn)
             apply_linear_passes(gm, linear_passes)
             return gm, (ids, pos, last, *kv, keys), (*dyn[:3], *no_kv, {0: kv_dim})
-        if prog.get("draft_layers"):  # early exit: the drafts are made inside the program
-            ids = torch.zeros(b, 1, dtype=torch.long, device=dev)  # contiguous: its strides are compiled in
-            drafter = EarlyExitStepProgram(model, S, prog["draft_layers"], k)
-            sampling = tuple(extra[n] for n in ("uniforms", "temperature", "top_k", "top_p"))
-            gm = export_flat(drafter, (ids, pos, kv, keys, *sampling),
-                             (None, None, no_kv, {0: kv_dim}, *[None] * len(sampling)))
+        if prog["kind"] == "tree_step":
+            head = (ids, torch.zeros(b, dtype=torch.long, device=dev), chain_parents(b, k, dev),
+                    torch.zeros(b, dtype=torch.long, device=dev))
+            gm = export_flat(TreeVerifyProgram(model, S), (*head, kv, keys), (*[None] * 4, no_kv, {0: kv_dim}))
+            apply_linear_passes(gm, linear_passes)
+            gm = fuse_tree_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, trash_pos=S)
+            gm = pad_rows(gm, trash_pos=S, fills=TREE_FILLS)
         else:
-            gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
-        apply_linear_passes(gm, linear_passes)
-        # CUDA programs are replayed as CUDA graphs: no data-dependent branch (runtime/cuda_graphs.py)
-        gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, branch_free=dev == "cuda")
-        gm = pad_rows(gm, trash_pos=S)
+            head = (ids, pos)
+            if prog.get("draft_layers"):  # early exit: the drafts are made inside the program
+                ids = torch.zeros(b, 1, dtype=torch.long, device=dev)  # contiguous: its strides are compiled in
+                head = (ids, pos)
+                drafter = EarlyExitStepProgram(model, S, prog["draft_layers"], k)
+                sampling = tuple(extra[n] for n in ("uniforms", "temperature", "top_k", "top_p"))
+                gm = export_flat(drafter, (*head, kv, keys, *sampling),
+                                 (None, None, no_kv, {0: kv_dim}, *[None] * len(sampling)))
+            else:
+                gm = export_flat(VerifyProgram(model, S), (*head, kv, keys), (None, None, no_kv, {0: kv_dim}))
+            apply_linear_passes(gm, linear_passes)
+            # CUDA programs are replayed as CUDA graphs: no data-dependent branch (runtime/cuda_graphs.py)
+            gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS,
+                                    branch_free=dev == "cuda")
+            gm = pad_rows(gm, trash_pos=S)
     names = list(placeholders(gm))
-    rest = names[3 + len(kv):]
-    args = (ids, pos, *kv, keys, *[extra[n] for n in rest])
-    return gm, args, (None, None, *no_kv, {0: kv_dim}, *[None] * len(rest))
+    rest = names[len(head) + len(kv) + 1:]
+    args = (*head, *kv, keys, *[extra[n] for n in rest])
+    return gm, args, (*[None] * len(head), *no_kv, {0: kv_dim}, *[None] * len(rest))
 
 
 def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
@@ -266,6 +292,11 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
 def prefill_chunk(max_model_len: int) -> int:
     """Longest chunk of the prefill program: PREFILL_CHUNK, or less for a short cache."""
     return min(PREFILL_CHUNK, max_model_len)
+
+
+def chain_parents(b: int, k: int, device) -> torch.Tensor:
+    """``[b, k]`` int64 parents of a chain (node ``i + 1``'s parent is ``i``): example trees."""
+    return torch.arange(k, device=device).repeat(b, 1)
 
 
 def step_example_inputs(b: int, k: int, device) -> dict[str, torch.Tensor]:

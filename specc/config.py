@@ -123,7 +123,7 @@ SUFFIX_DEFAULTS: dict[str, Any] = {
     "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1,
     # specc's own switch (vLLM / Arctic verify suffix drafts as chains): propose the
-    # candidate tree, verified under the tree attention mask (eager path only)
+    # candidate tree, verified under the tree attention mask (compiled: tree_step programs)
     "suffix_decoding_propose_tree": False,
 }
 
@@ -134,14 +134,16 @@ class SpeculativeConfig(BaseModel):
     * ``ngram``: prompt lookup; ``prompt_lookup_min``/``prompt_lookup_max`` bound the
       n-gram length matched against the context; ``ngram_propose_tree`` (specc's, default
       false) proposes the continuations of the n-gram's several earlier occurrences
-      merged into one token tree instead of the most recent one's chain (eager path only).
+      merged into one token tree instead of the most recent one's chain (compiled:
+      ``tree_step`` programs).
     * ``draft_model``: an independent drafter (``model``: HF folder, ``.gguf`` or an
       embedded name), or an early-exit self-draft (``num_draft_layers: N``, ``model``
       omitted): the target's first N layers + its final norm + lm_head.
     * ``suffix``: SuffixDecoding (per-request and global suffix trees); the
       ``suffix_decoding_*`` fields take vLLM's defaults (:data:`SUFFIX_DEFAULTS`) when
       omitted; ``suffix_decoding_propose_tree`` (specc's, default false) proposes the
-      candidate token tree instead of the best chain (eager path only).
+      candidate token tree instead of the best chain (compiled artifacts then hold
+      ``tree_step`` programs).
     * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
       ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
       layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).

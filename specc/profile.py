@@ -135,8 +135,8 @@ def stage_times(events, wall_s: float, tokens: int) -> dict:
             continue
         s = (e.time_range.end - e.time_range.start) / 1e6
         key = name[len("specc."):]
-        if key.startswith("verify["):
-            width = int(key[len("verify["):-1])
+        if key.startswith(("verify[", "verify_tree[")):  # a chain's or a token tree's verify
+            width = int(key[key.index("[") + 1:-1])
             by_width.setdefault(width, [0, 0.0])
             by_width[width][0] += 1
             by_width[width][1] += s

@@ -254,3 +254,17 @@ def test_select_covers_the_subcategories_of_a_grouped_column(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     picked = select(read_jsonl(path), None, 4)
     assert sorted(p.raw_category for p in picked if p.category == "mt_bench") == ["math", "roleplay", "writing"]
+
+
+def test_stage_times_count_tree_verifies_by_width():
+    from types import SimpleNamespace
+
+    from specc.profile import stage_times
+
+    def event(name, ms):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=0, end=ms * 1000), cpu_parent=None)
+
+    out = stage_times([event("specc.verify[5]", 2), event("specc.verify_tree[5]", 3), event("specc.verify[1]", 1)],
+                      wall_s=1.0, tokens=3)
+    assert out["verify_by_width"] == {1: [1, 0.001], 5: [2, 0.005]}
+    assert out["stages_s"]["verify"] == pytest.approx(0.006)

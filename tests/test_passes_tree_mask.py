@@ -88,7 +88,9 @@ def test_compaction_moves_the_path(parent_choices, start):
     cache = KVCache(2, 1, 1, 32, 2)
     for t in (*cache.k, *cache.v):
         t[0, 0, :, 0] = torch.arange(33, dtype=torch.float32)  # value = position
-    compact_accepted_kv(cache, [start], [path])
+    nodes = torch.tensor([[0, *path] + [-1] * (len(parents) - len(path))])
+    compact_accepted_kv((*cache.k, *cache.v), torch.tensor([start]), nodes, torch.tensor([len(path)]),
+                        cache.trash_pos)
     for t in (*cache.k, *cache.v):
         got = t[0, 0, start + 1 : start + 1 + len(path), 0].tolist()
         assert got == [float(start + n) for n in path]

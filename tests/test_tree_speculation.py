@@ -9,7 +9,8 @@
   plain causal forward over the request's tokens writes (compaction is right where the
   next steps read);
 * a chain given as a tree verifies exactly as the chain path (tokens, seeded samples);
-* the compiler refuses tree proposals with a message naming enforce_eager.
+* tree configs plan a ``tree_step`` per bucket; an artifact without them refuses trees
+  (the compiled tree step itself: ``test_compiled_tree.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 
 from helpers import drafter_spec, greedy, greedy_truth, make_session, oracle_table, patched
 from specc import SamplingParams
-from specc.compiler import check_compilable
-from specc.config import ConfigError, load_config
+from specc.compiler import check_compilable, plan_programs
+from specc.config import load_config
 from specc.models.kv_cache import KVCache
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
 from specc.runtime.token_tree import TokenTree, parse_choices
@@ -179,17 +180,17 @@ def test_chain_as_tree_is_identical(tiny_llama_dir, params):
 
 @pytest.mark.parametrize("method,field", [("suffix", "suffix_decoding_propose_tree"),
                                           ("ngram", "ngram_propose_tree")])
-def test_compiler_refuses_tree_proposals(tiny_llama_dir, method, field):
+def test_tree_configs_plan_tree_steps(method, field):
+    """A tree switch: a tree_step per bucket beside the chain programs; chain configs
+    plan none."""
     tree_spec = drafter_spec(method, K, **{field: True})
-    with pytest.raises(ConfigError) as refused:
-        check_compilable(load_config({"target": "x", "speculative_config": tree_spec}))
-    # one message for every tree switch, naming it
-    assert str(refused.value).startswith(f"speculative_config.{field} = true: tree proposals are verified on "
-                                         "the eager path only so far (the compiled spec_step verifies chains); "
-                                         "set enforce_eager: true")
-    check_compilable(load_config({"target": "x", "speculative_config": drafter_spec(method, K)}))
-    with pytest.raises(ConfigError, match=f"{field}.*enforce_eager"):
-        make_session(tiny_llama_dir, tree_spec, enforce_eager=False)  # refused before compiling
+    plan = plan_programs(load_config({"target": "x", "batch_buckets": [1, 4], "speculative_config": tree_spec}))
+    check_compilable(load_config({"target": "x", "speculative_config": tree_spec}))
+    trees = [p for p in plan if p["kind"] == "tree_step"]
+    assert [(p["name"], p["batch"], p["tokens"]) for p in trees] == [("tree_step_b1", 1, K + 1),
+                                                                      ("tree_step_b4", 4, K + 1)]
+    chain = plan_programs(load_config({"target": "x", "speculative_config": drafter_spec(method, K)}))
+    assert not [p for p in chain if p["kind"] == "tree_step"]
 
 
 def test_suffix_drafter_proposes_its_candidate_tree():
@@ -231,8 +232,14 @@ def test_tree_logprobs_equal_nonspec(tiny_llama_dir, base):
     assert max(max(o.metrics.tokens_per_step) for o in outs) == 4
 
 
-def test_compiled_engine_refuses_tree_proposals():
+def test_compiled_engine_without_tree_programs_refuses_trees():
+    """An artifact built for chains has no tree_step: a tree proposal is refused with a
+    message saying how to build one (or to run eagerly), never verified as something else."""
+    from types import SimpleNamespace
+
     from specc.runtime.replay import CompiledEngine
 
-    with pytest.raises(NotImplementedError, match="enforce_eager"):
-        object.__new__(CompiledEngine)._verify_tree()
+    engine = object.__new__(CompiledEngine)
+    engine.programs = SimpleNamespace(tree_step={})
+    with pytest.raises(NotImplementedError, match="suffix_decoding_propose_tree.*enforce_eager"):
+        engine._verify_tree([], None, None, None, None, None, None)

@@ -43,8 +43,9 @@ class Proposal:
     ``1..num_draft_tokens[b]`` of a token tree (:mod:`specc.runtime.token_tree`; node 0 is
     the request's last token): ``parents[b, i]`` is the parent node of draft ``i`` (node
     ``i + 1``), in ``0..i``; padding entries may hold any value in that range. Trees are
-    verified on the eager path only and need ``draft_probs`` None. The engine may keep
-    only the first ``n`` nodes of a row (its cap), which is still a tree.
+    verified by ``Engine._verify_tree`` (compiled: ``tree_step``) and need
+    ``draft_probs`` None. The engine may keep only the first ``n`` nodes of a row (its
+    cap), which is still a tree.
     """
 
     draft_token_ids: torch.Tensor  # [B, K] int64

@@ -18,8 +18,8 @@ the per-request one) is proposed. Speculation length adapts to the match length:
 By default the drafter proposes the best-scoring *chain* (``SuffixTree.speculate(tree=False)``).
 With ``propose_tree`` (config ``suffix_decoding_propose_tree``) it proposes the paper's
 candidate *tree* (``tree=True``: the ``limit`` most probable continuations, best-first) as
-a token tree (``Proposal.parents``), verified in one pass under the tree attention mask on
-the eager path (:mod:`specc.passes.tree_mask`). Deterministic: q is one-hot
+a token tree (``Proposal.parents``), verified in one pass under the tree attention mask
+(:mod:`specc.passes.tree_mask`; compiled: ``tree_step``). Deterministic: q is one-hot
 (``draft_probs`` None), so rejection sampling stays lossless. With the global tree on,
 a request's drafts depend on which requests finished before it: outputs are unchanged
 for greedy requests and equal in distribution for sampled ones, but a seeded sampled
@@ -65,8 +65,8 @@ class SuffixDrafter(Proposer):
         max_cached_requests: outputs the global tree holds (>= 0; 0: no global tree).
         max_spec_factor: draft at most ``ceil(factor * match_len)`` tokens (> 0).
         min_token_prob: never draft a token of lower count-based probability (0..1).
-        propose_tree: propose the candidate tree instead of the best chain (eager
-            verify only; the compiler refuses it).
+        propose_tree: propose the candidate tree instead of the best chain (compiled:
+            verified by the artifact's ``tree_step`` programs).
 
     Raises:
         ValueError: an argument out of range.

@@ -83,7 +83,7 @@ def test_graphed_program_buffers_are_clones():
 
 def test_step_graphs_cover_every_group_start():
     prog = lambda name, kind, b, t: SimpleNamespace(name=name, kind=kind, batch=b, tokens=t,  # noqa: E731
-                                                     inputs=INPUTS, runner=_Recorder())
+                                                     inputs=INPUTS, runner=_Recorder(), drafts_in_graph=False)
     programs = SimpleNamespace(buckets=[1, 2, 4],
                                decode={b: prog(f"decode_b{b}", "decode", b, 1) for b in (1, 2, 4)},
                                spec_step={b: prog(f"spec_step_b{b}", "spec_step", b, 3) for b in (1, 2, 4)})

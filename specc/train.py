@@ -56,7 +56,7 @@ from specc.models.kv_cache import KVCache
 from specc.train_checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from specc.train_data import Sequence, draft_vocabulary, load_sequences, prepare_data
 
-__all__ = ["TrainSettings", "train", "build_head", "head_loss", "Batch", "make_batch"]
+__all__ = ["TrainSettings", "train", "build_head", "head_loss", "teacher_forced_outputs", "Batch", "make_batch"]
 
 MAX_LEN = 2048  # tokens of a sequence used for training (EAGLE's max_len)
 DEFAULT_OUT = "heads/smollm2-eagle"
@@ -167,6 +167,24 @@ def make_batch(seqs: list[Sequence], num_fused: int, norm) -> Batch:
 
 
 # ------------------------------------------------------------------------------ loss
+def teacher_forced_outputs(head: EagleHeadBase, batch: Batch, noise_std: float = 0.0,
+                           noise: torch.Generator | None = None) -> torch.Tensor:
+    """The training forward: the head over every pair of ``batch`` at once (pair ``p`` =
+    ``fuse``d target state at ``p`` + embedding of ``x_{p+1}``, RoPE position ``p``, causal),
+    with uniform noise ``U(-noise_std/2, noise_std/2)`` on the features when ``noise_std > 0``.
+
+    Returns ``[B, T, H]`` head outputs; ``head.compute_logits`` of row ``p`` scores
+    ``x_{p+2}``. With ``noise_std = 0`` this is what the eager drafter computes for its
+    first draft after the pair at ``p`` (tests/test_eagle_train_consistency.py)."""
+    b, t = batch.input_ids.shape
+    feats = head.fuse(batch.states)                                        # [B, T, H]
+    if noise_std > 0:
+        feats = feats + (torch.rand(feats.shape, generator=noise) - 0.5) * noise_std
+    cache = KVCache.for_model(head.config, b, t, feats.dtype, feats.device)
+    pos = torch.arange(t)[None].expand(b, t)
+    return head(batch.input_ids, feats, pos, cache, kv_len=t)
+
+
 def head_loss(head: EagleHeadBase, batch: Batch, settings: TrainSettings,
               noise: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss of ``batch`` (module docstring) and its parts.
@@ -175,13 +193,8 @@ def head_loss(head: EagleHeadBase, batch: Batch, settings: TrainSettings,
         (scalar loss with gradients, ``{"loss", "reg", "cls", "acc", "tokens"}``): ``acc`` is
         the fraction of counted positions where the head's top token equals the target's.
     """
-    b, t = batch.input_ids.shape
-    feats = head.fuse(batch.states)                                        # [B, T, H]
-    if head.method == "eagle" and settings.noise_std > 0:
-        feats = feats + (torch.rand(feats.shape, generator=noise) - 0.5) * settings.noise_std
-    cache = KVCache.for_model(head.config, b, t, feats.dtype, feats.device)
-    pos = torch.arange(t)[None].expand(b, t)
-    out = head(batch.input_ids, feats, pos, cache, kv_len=t)[batch.mask]  # [N, H]
+    noise_std = settings.noise_std if head.method == "eagle" else 0.0
+    out = teacher_forced_outputs(head, batch, noise_std, noise)[batch.mask]  # [N, H]
     tgt = batch.target[batch.mask]                                         # [N, H]
     with torch.no_grad():
         t_logits = head.target.lm_head(tgt).float()                        # [N, V]

@@ -73,7 +73,8 @@ def lower_packed(ep: torch.export.ExportedProgram, constants: dict[str, torch.Te
 
     Raises:
         RuntimeError: a frozen constant matches no artifact constant, transposed or not
-            (Inductor folded a computed value the artifact could not rebuild).
+            (Inductor folded a computed value the artifact could not rebuild), or the
+            capture hook did not run.
     """
     captured: dict[str, torch.Tensor] = {}
 
@@ -88,6 +89,8 @@ def lower_packed(ep: torch.export.ExportedProgram, constants: dict[str, torch.Te
             ep, package_path=str(path),
             inductor_configs={"aot_inductor.package_constants_in_so": False, "freezing": True,
                               "post_grad_custom_post_pass": capture})
+    if not captured:  # a custom pass that is not a CustomGraphPass bypasses Inductor's caches
+        raise RuntimeError("the frozen graph's constants were not captured (the post-grad hook did not run)")
     derived = {n: t for n, t in captured.items() if n not in constants}
     if not derived:
         return {}
@@ -102,7 +105,8 @@ def lower_packed(ep: torch.export.ExportedProgram, constants: dict[str, torch.Te
         if hit is None:
             raise RuntimeError(
                 f"constant {fqn} {tuple(t.shape)} of the frozen program matches no program constant: Inductor "
-                "folded a computed value the artifact cannot rebuild at load; lower this program without packing")
+                "folded a computed value the artifact cannot rebuild at load; please report it (dtype: float32 "
+                "compiles without packing)")
         out[fqn] = {"source": hit[0], "transpose": hit[1], "packed": bool(t.is_mkldnn)}
         if not t.is_mkldnn:  # the compiled code indexes it with these strides
             out[fqn]["stride"] = list(t.stride())

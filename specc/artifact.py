@@ -127,9 +127,9 @@ def program_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dict (``SpeccConfig.to_dict()``) the programs are built for."""
     spec = config.get("speculative_config") or {}
     return {**{f: config.get(f) for f in _PROGRAM_FIELDS},
-            # unset fields (num_draft_layers outside early exit) are left out, so adding a
-            # field keeps the cache keys of the configs that do not use it
-            "speculative_config": {f: spec[f] for f in _PROGRAM_SPEC_FIELDS if spec.get(f) is not None}
+            # unset or off fields (num_draft_layers outside early exit, a false tree switch) are
+            # left out, so adding a field keeps the cache keys of the configs that do not use it
+            "speculative_config": {f: spec[f] for f in _PROGRAM_SPEC_FIELDS if spec.get(f) not in (None, False)}
             if spec else None}
 
 

@@ -210,6 +210,7 @@ class StepGraphs:
         return graphs
 
     def capture_all(self) -> None:
+        """Capture every program's every kv_len bucket (at Session start), largest first."""
         for g in self.graphs.values():
             g.capture_all()
 

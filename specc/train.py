@@ -71,10 +71,10 @@ class TrainSettings:
     method: str = "eagle"            # eagle | eagle3
     prompts: str = "self"            # "self" or a JSONL file (specc.train_data)
     exclude: list[str] = field(default_factory=list)  # evaluation JSONL files to stay clear of
-    num_prompts: int = 200
-    max_tokens: int = 128            # greedy answer tokens per prompt
-    epochs: int = 2
-    lr: float = 5e-4
+    num_prompts: int = 512           # ~1 h end to end on one core of this CPU (docs/speculative.md)
+    max_tokens: int = 96             # greedy answer tokens per prompt
+    epochs: int = 3
+    lr: float = 1e-3
     batch_size: int = 4              # sequences per step
     max_steps: int | None = None     # stop early (smoke runs); the schedule still spans `epochs`
     warmup_steps: int | None = None  # default: 3% of the schedule, at least 1
@@ -86,7 +86,7 @@ class TrainSettings:
     cls_weight: float = 0.1          # EAGLE: classification weight (p_w)
     draft_vocab_size: int = 32000    # EAGLE-3 (capped at the target's vocabulary)
     layer_ids: list[int] | None = None  # EAGLE-3 target layers (default vLLM's 2, L//2, L-3)
-    save_every: int = 100            # checkpoint every N steps (and at the end)
+    save_every: int = 50             # checkpoint every N steps (and at the end)
     keep_checkpoints: int = 2        # newest checkpoints kept (< 1: all)
 
     def check(self) -> None:

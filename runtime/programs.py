@@ -22,6 +22,13 @@ and token widths stay static per bucket.
   early-exit drafter: k draft steps through the target's first N layers, then the
   verify of ``[last, d_1..d_k]``; returns the logits, the verified ids and the drafter's
   q, which :mod:`specc.passes.accept_reject` turns into tokens on the device.
+* :class:`EagleStepProgram` — the same for an EAGLE / EAGLE-3 head: the head's catch-up
+  over the pairs the last step left, its k chain steps, the verify (whose fused features
+  it writes into the ``features`` state); :class:`EaglePrefillProgram` — the prefill
+  that also runs the head's prompt pass. Both take the head's state after the target's:
+  ``head_kv`` (the head's per-layer K/V, like ``kv``) and ``features`` ``[b,
+  max_model_len + 1, hidden]`` (the fused target feature at each position), written in
+  place. The draft loop the two step programs share is :func:`chain_drafts`.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specc.models.eagle import EagleHeadBase
 from specc.models.kv_cache import KVCache
 from specc.models.llama import LlamaForCausalLM
 from specc.passes.tree_mask import tree_attention_inputs
 from specc.runtime.sampling import greedy_mask, sample_draft
 
-__all__ = ["VerifyProgram", "TreeVerifyProgram", "PrefillProgram", "EarlyExitStepProgram", "flat_kv", "kv_view"]
+__all__ = ["VerifyProgram", "TreeVerifyProgram", "PrefillProgram", "EarlyExitStepProgram", "EaglePrefillProgram",
+           "EagleStepProgram", "chain_drafts", "flat_kv", "kv_view"]
 
 
 def flat_kv(cache: KVCache) -> tuple[torch.Tensor, ...]:
@@ -116,12 +125,17 @@ class PrefillProgram(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_index: torch.Tensor,
                 kv: tuple[torch.Tensor, ...], key_positions: torch.Tensor | None = None) -> torch.Tensor:
-        model, n = self.model, self.model.config.num_hidden_layers
-        out = model(input_ids, positions, kv_view(kv, self.max_model_len), kv_len=_kv_len(key_positions),
-                    hidden_layers=(n,))
+        n = self.model.config.num_hidden_layers
+        out = self.model(input_ids, positions, kv_view(kv, self.max_model_len), kv_len=_kv_len(key_positions),
+                         hidden_layers=(n,))
+        return self._last_logits(out.hidden_states[n], last_index)
+
+    def _last_logits(self, last_hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+        """``[1, V]`` float32 logits of the last layer's output ``[1, t, H]`` at ``last_index``."""
+        model = self.model
         # norm + lm_head at the one position needed; the full logits are dead code (the
         # compiler drops them), which saves t - 1 rows of the vocabulary GEMM
-        h = out.hidden_states[n].index_select(1, last_index)
+        h = last_hidden.index_select(1, last_index)
         return model.lm_head(model.model.norm(h)).float().squeeze(1)
 
 
@@ -158,16 +172,149 @@ class EarlyExitStepProgram(nn.Module):
                 key_positions: torch.Tensor | None, uniforms: torch.Tensor, temperature: torch.Tensor,
                 top_k: torch.Tensor, top_p: torch.Tensor):
         cache, kv_len, limit = kv_view(kv, self.max_model_len), _kv_len(key_positions), self.max_model_len
-        is_greedy = greedy_mask(temperature)
-        tok, pos = input_ids, positions[:, :1]
-        drafts, probs = [input_ids], []
-        for step in range(self.k):
-            logits = self.model(tok, pos, cache, kv_len=kv_len, num_layers=self.num_draft_layers).logits[:, 0]
-            draft, q = sample_draft(logits, temperature, top_k, top_p, is_greedy, uniforms[:, step])
-            tok = draft[:, None]
-            drafts.append(tok)
-            probs.append(q)
-            pos = (positions[:, :1] + step + 1).clamp_max(limit)  # trash position from the limit on
-        ids = torch.cat(drafts, dim=1)
+
+        def next_logits(step: int, tok: torch.Tensor) -> torch.Tensor:
+            pos = (positions[:, :1] + step).clamp_max(limit)  # trash position from the limit on
+            return self.model(tok, pos, cache, kv_len=kv_len, num_layers=self.num_draft_layers).logits[:, 0]
+
+        ids, q = chain_drafts(self.k, input_ids, next_logits, uniforms, temperature, top_k, top_p)
         logits = self.model(ids, positions, cache, kv_len=kv_len).logits
-        return logits, ids, torch.stack(probs, dim=1)
+        return logits, ids, q
+
+
+def chain_drafts(k: int, last: torch.Tensor, next_logits, uniforms: torch.Tensor, temperature: torch.Tensor,
+                 top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft loop of the fused step programs: k chain steps, step ``s`` drawing
+    ``d_{s+1}`` with :func:`~specc.runtime.sampling.sample_draft` from ``uniforms[:, s]``
+    (greedy rows: the argmax), as the eager proposers do.
+
+    Args:
+        k: draft steps.
+        last: ``[b, 1]`` int64, each row's last token.
+        next_logits: ``(step, tokens [b, 1] int64) -> [b, V]`` float32 raw drafter logits
+            of the next token, ``tokens`` being the last token (step 0) or ``d_step``.
+        uniforms: ``[b, >= k]`` float32 (columns ``0..k-1`` are the drafter's).
+        temperature, top_k, top_p: ``[b]`` the rows' processors.
+
+    Returns:
+        ``(ids [b, k + 1] int64 = [last, d_1..d_k], draft_probs [b, k, V] float32)``.
+    """
+    is_greedy = greedy_mask(temperature)
+    tok, drafts, probs = last, [last], []
+    for step in range(k):
+        draft, q = sample_draft(next_logits(step, tok), temperature, top_k, top_p, is_greedy, uniforms[:, step])
+        tok = draft[:, None]
+        drafts.append(tok)
+        probs.append(q)
+    return torch.cat(drafts, dim=1), torch.stack(probs, dim=1)
+
+
+def _scatter_features(features: torch.Tensor, positions: torch.Tensor, feats: torch.Tensor) -> None:
+    """Write ``feats`` ``[b, T, H]`` into ``features`` ``[b, S + 1, H]`` at ``positions``
+    ``[b, T]`` (in place; padding lands at the trash position), as the eager
+    :meth:`~specc.runtime.drafters.eagle.EagleProposer.on_target_hidden_states`."""
+    features.scatter_(1, positions[:, :, None].expand(feats.shape), feats.to(features.dtype))
+
+
+def _gather_features(features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[b, T, H]``: the features at ``positions`` ``[b, T]``."""
+    b, t = positions.shape
+    return features.gather(1, positions[:, :, None].expand(b, t, features.shape[-1]))
+
+
+def _target_features(head: EagleHeadBase, hidden_states: dict[int, torch.Tensor]) -> torch.Tensor:
+    """``[b, T, H]``: the head's fused features of one target forward's hidden states."""
+    return head.fuse(torch.stack([hidden_states[i] for i in head.hidden_layers], dim=2))
+
+
+class EaglePrefillProgram(PrefillProgram):
+    """:class:`PrefillProgram` that also leaves an EAGLE / EAGLE-3 head ready: the chunk's
+    fused target features are written into ``features`` at their positions, and the head
+    runs over the pairs ``(f_{p-1}, x_p)`` at position ``p - 1`` for each chunk token
+    ``p > 0`` (the pair at the chunk's first token reads ``f_{p-1}`` from the previous
+    chunk), writing its K/V. So after the prompt's last chunk the head holds the pairs
+    at ``0 .. n-2``, as the eager :meth:`~specc.runtime.drafters.eagle.EagleProposer.prefill`
+    leaves it (the pair at ``n - 1`` waits for the first step, whose draft it predicts).
+
+    forward(input_ids ``[1, t]``, positions ``[1, t]``, last_index ``[1]``, kv,
+    key_positions, head_kv (the head's per-layer K/V, ``[1, kv_heads, S + 1, head_dim]``
+    each), features ``[1, S + 1, H]``) -> logits ``[1, V]`` float32.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, head: EagleHeadBase, max_model_len: int) -> None:
+        super().__init__(model, max_model_len)
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_index: torch.Tensor,
+                kv: tuple[torch.Tensor, ...], key_positions: torch.Tensor | None = None,
+                head_kv: tuple[torch.Tensor, ...] = (), features: torch.Tensor | None = None) -> torch.Tensor:
+        n, trash, kv_len = self.model.config.num_hidden_layers, self.max_model_len, _kv_len(key_positions)
+        layers = tuple(sorted({n, *self.head.hidden_layers}))
+        out = self.model(input_ids, positions, kv_view(kv, trash), kv_len=kv_len, hidden_layers=layers)
+        _scatter_features(features, positions, _target_features(self.head, out.hidden_states))
+        pair_pos = torch.where((positions > 0) & (positions < trash), positions - 1, trash)
+        # only the head's K/V writes are kept: its outputs are dead code here
+        self.head(input_ids, _gather_features(features, pair_pos), pair_pos, kv_view(head_kv, trash), kv_len=kv_len)
+        return self._last_logits(out.hidden_states[n], last_index)
+
+
+class EagleStepProgram(nn.Module):
+    """Draft-then-verify for an EAGLE / EAGLE-3 head, as one traced forward: the eager
+    :meth:`specc.runtime.drafters.eagle.EagleProposer.propose` (catch-up, then k - 1
+    chain steps), then the verify, whose fused features are written into ``features``
+    for the next step's catch-up (rejected drafts' features lie at or beyond the
+    sequence length and are rewritten before they are read, as their K/V).
+
+    1. catch-up: the head runs over the pairs ``(f_p, x_{p+1})`` at ``pair_positions``
+       (``p = done .. n - 1``, the trash position after; features read from
+       ``features``); its output at the row's last real pair gives draft 1's logits;
+    2. chain step ``s = 1 .. k - 1``: the pair (head output, ``d_s``) at position
+       ``n - 1 + s`` (the trash position from ``max_model_len`` on);
+    3. the target verify of ``[last, d_1..d_k]`` at ``positions``.
+
+    Drafts are sampled by :func:`chain_drafts` (same columns of the same uniforms as the
+    eager proposer).
+
+    forward(input_ids ``[b, 1]`` int64 (last tokens), positions ``[b, k + 1]`` int64
+    (verify positions, as :class:`EarlyExitStepProgram`; column 0 is ``n``), kv,
+    key_positions ``[kv_len]`` (covering ``n + k - 1`` too), uniforms ``[b, 2k + 1]``,
+    temperature, top_k, top_p ``[b]``, head_kv, features ``[b, S + 1, H]``, pair_ids
+    ``[b, k + 1]`` int64 (``x_{p+1}`` of each catch-up pair; padding: any id),
+    pair_positions ``[b, k + 1]`` int64 (``done .. n - 1``, then the trash position))
+    -> ``(logits [b, k + 1, V] float32, verified ids [b, k + 1] int64, draft_probs
+    [b, k, V] float32)``.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, head: EagleHeadBase, max_model_len: int,
+                 num_speculative_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.head = head
+        self.max_model_len = max_model_len
+        self.k = num_speculative_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                key_positions: torch.Tensor | None, uniforms: torch.Tensor, temperature: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor, head_kv: tuple[torch.Tensor, ...],
+                features: torch.Tensor, pair_ids: torch.Tensor, pair_positions: torch.Tensor):
+        trash, kv_len, head = self.max_model_len, _kv_len(key_positions), self.head
+        head_cache = kv_view(head_kv, trash)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        last_pair = ((pair_positions != trash).sum(dim=1) - 1).clamp_min(0)  # [b]
+        h = None  # [b, 1, H]: the head's last output, the next pair's feature
+
+        def next_logits(step: int, tok: torch.Tensor) -> torch.Tensor:
+            nonlocal h
+            if step == 0:  # catch-up over the pairs the last step left
+                out = head(pair_ids, _gather_features(features, pair_positions), pair_positions, head_cache,
+                           kv_len=kv_len)
+                h = out[rows, last_pair][:, None]
+            else:
+                pos = (positions[:, :1] + step - 1).clamp_max(trash)
+                h = head(tok, h, pos, head_cache, kv_len=kv_len)
+            return head.compute_logits(h[:, 0])
+
+        ids, q = chain_drafts(self.k, input_ids, next_logits, uniforms, temperature, top_k, top_p)
+        out = self.model(ids, positions, kv_view(kv, trash), kv_len=kv_len, hidden_layers=head.hidden_layers)
+        _scatter_features(features, positions, _target_features(head, out.hidden_states))
+        return out.logits, ids, q

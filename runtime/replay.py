@@ -22,6 +22,13 @@ two device parts replaced:
   it takes the last tokens only, draws its drafts from ``uniforms[:, :k]`` on the device,
   and the proposer is the :class:`~specc.runtime.drafters.in_graph.InGraphDrafter`
   stand-in, which supplies the per-row draft caps.
+  An EAGLE artifact's programs (``drafter`` in the manifest) also take the head's state,
+  ``head_kv_*`` and ``features`` (an :class:`~specc.runtime.drafters.eagle.EagleState`
+  with the cache's slots, written in place like the KV cache; the stand-in owns it and
+  moves it with its slot), and its ``spec_step`` the catch-up pairs each row's head has
+  not run (:meth:`~specc.runtime.drafters.eagle.EagleState.catch_up_pairs`, ``k + 1``
+  wide); its prefill runs the head's prompt pass, for the baseline engine too (which
+  shares the state).
 
 Only the returned tokens, counts and logprobs come back to the host. On a CUDA device
 the step programs replay as CUDA graphs captured when the engine is built, one per kv_len
@@ -41,6 +48,8 @@ from specc.models.kv_cache import KVCache
 from specc.passes.packed_weights import PackedWeights, bind_constants
 from specc.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
 from specc.runtime.drafters.base import Proposer, StepBatch
+from specc.runtime.drafters.eagle import EagleState
+from specc.runtime.drafters.in_graph import FEATURES, HEAD_KV, eagle_program_state
 from specc.runtime.engine import Engine, tree_paths
 from specc.runtime.request import Request
 from specc.runtime.tracing import stage
@@ -67,8 +76,10 @@ class ProgramSet:
         decode, spec_step, tree_step: ``{b: program}`` by batch bucket (``tree_step``
             only in artifacts built for tree proposals).
         buckets: sorted batch buckets; k: draft tokens per spec step (0 without speculation).
-        drafts_in_graph: the spec steps draft inside the program (early exit) and take no
-            draft tokens.
+        drafts_in_graph: the spec steps draft inside the program (early exit, EAGLE) and
+            take no draft tokens.
+        state_signature: ``{input name: (shape, dtype)}`` of the drafter state the
+            programs take (EAGLE's ``head_kv_*`` and ``features``; empty otherwise).
         packed: the oneDNN-packed copies of the weights that bf16/fp16 CPU programs bind
             (:mod:`specc.passes.packed_weights`), one per weight, kept alive here.
         weights: ``{stored name: tensor}``, kept alive here: the programs bind them
@@ -94,7 +105,7 @@ class ProgramSet:
             runner = torch._inductor.aoti_load_package(str(artifact.path(p["file"])))
             bind_constants(runner, constants, p.get("packed_constants"), self.packed)
             prog = _Program(p["name"], p["kind"], p["batch"], p["tokens"], [i["name"] for i in p["inputs"]], runner,
-                            bool(p.get("draft_layers")))
+                            bool(p.get("draft_layers") or p.get("drafter")))
             if p["kind"] == "prefill":
                 self.prefill = prog
             else:
@@ -105,6 +116,14 @@ class ProgramSet:
         if self.tree_step and next(iter(self.tree_step.values())).tokens - 1 != self.k:
             raise ValueError("tree_step and spec_step programs verify different widths")
         self.weights = stored
+        prefill = next(p for p in m["programs"] if p["kind"] == "prefill")
+        self.state_signature = {i["name"]: (i["shape"], getattr(torch, i["dtype"])) for i in prefill["inputs"]
+                                if i["name"].startswith(HEAD_KV) or i["name"] == FEATURES}
+
+    def draft_state(self, num_slots: int, device) -> EagleState | None:
+        """Zeroed drafter state for ``num_slots`` slots when the programs take one (EAGLE),
+        else None."""
+        return eagle_program_state(self.state_signature, num_slots, device) if self.state_signature else None
 
 
 def cache_slots(max_num_seqs: int, buckets: list[int]) -> int:
@@ -143,10 +162,17 @@ class CompiledEngine(Engine):
             they do.
         max_num_seqs: most requests running at once; the cache needs
             :func:`cache_slots` slots for them (padded rows write into real slots).
+        draft_state: the drafter state the programs take (EAGLE: :meth:`ProgramSet.draft_state`);
+            default the proposer's ``state``. A non-speculative engine over EAGLE
+            programs needs it too (its prefill runs the head's prompt pass).
+
+    Raises:
+        ValueError: too few cache slots, a proposer that does not fit the programs, or
+            programs that take drafter state and none given.
     """
 
     def __init__(self, programs: ProgramSet, kv_cache: KVCache, detokenize, proposer: Proposer | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, draft_state: EagleState | None = None):
         super().__init__(None, kv_cache, detokenize, proposer, max_num_seqs)
         if kv_cache.num_slots < cache_slots(self.max_num_seqs, programs.buckets):
             raise ValueError(f"kv_cache has {kv_cache.num_slots} slots; padding {self.max_num_seqs} sequences "
@@ -164,18 +190,35 @@ class CompiledEngine(Engine):
                 + ("their spec_step drafts inside the program (early exit) and takes no host drafts"
                    if programs.drafts_in_graph else
                    "it drafts inside a program, but these spec_step programs take host drafts"))
+        self.draft_state = draft_state if draft_state is not None else getattr(proposer, "state", None)
+        if programs.state_signature and self.draft_state is None:
+            raise ValueError("these programs run an EAGLE head and take its state: pass draft_state "
+                             "(ProgramSet.draft_state) or the InGraphDrafter that owns it")
         self.programs = programs
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._key_cache: dict[int, torch.Tensor] = {}
-        # on CUDA the step programs replay as CUDA graphs captured here (runtime/cuda_graphs.py)
+        # on CUDA the step programs replay as CUDA graphs captured here (runtime/cuda_graphs.py);
+        # EAGLE programs are refused on CUDA by check_compilable (their head state is not captured)
         self.graphs = StepGraphs.shared(programs, kv_cache, self._kv) if use_cuda_graphs(kv_cache.device) else None
 
     def _kv(self, start: int, n: int) -> tuple[torch.Tensor, ...]:
         """Flat per-layer views of slots ``start..start+n-1`` (cached: the views are fixed)."""
+        return tuple(v for name, v in self._state(start, n).items() if name.startswith("kv_"))
+
+    def _state(self, start: int, n: int) -> dict[str, torch.Tensor]:
+        """``{input name: view}`` of slots ``start..start+n-1`` of every state a program
+        takes: ``kv_*`` and, with drafter state, ``head_kv_*`` and ``features`` (cached:
+        the views are fixed)."""
         key = (start, n)
         if key not in self._views:
-            c = self.cache
-            self._views[key] = tuple(t[start:start + n] for pair in zip(c.k, c.v) for t in pair)
+            c, views = self.cache, {}
+            for prefix, cache in (("kv_", c), (HEAD_KV, self.draft_state.cache if self.draft_state else None)):
+                if cache is not None:
+                    flat = (t for pair in zip(cache.k, cache.v) for t in pair)
+                    views.update({f"{prefix}{i}": t[start:start + n] for i, t in enumerate(flat)})
+            if self.draft_state is not None:
+                views[FEATURES] = self.draft_state.features[start:start + n]
+            self._views[key] = views
         return self._views[key]
 
     def _keys(self, needed: int) -> torch.Tensor:
@@ -187,14 +230,14 @@ class CompiledEngine(Engine):
         return self._key_cache[kv_len]
 
     def _prefill_logits(self, ids: list[int], slot: int) -> torch.Tensor:
-        dev, start = self.cache.device, 0
-        kv = self._kv(slot, 1)
-        for real, t in prefill_chunks(len(ids), self.programs.prefill.tokens):
+        dev, start, prog = self.cache.device, 0, self.programs.prefill
+        state = self._state(slot, 1)
+        for real, t in prefill_chunks(len(ids), prog.tokens):
             chunk = ids[start:start + real] + [0] * (t - real)
             pos = list(range(start, start + real)) + [self.cache.trash_pos] * (t - real)
-            logits = self.programs.prefill.runner(
-                torch.tensor([chunk], device=dev), torch.tensor([pos], device=dev),
-                torch.tensor([real - 1], device=dev), *kv, self._keys(start + real))[0]
+            values = {"input_ids": torch.tensor([chunk], device=dev), "positions": torch.tensor([pos], device=dev),
+                      "last_index": torch.tensor([real - 1], device=dev), "key_positions": self._keys(start + real)}
+            logits = prog.runner(*[state[n] if n in state else values[n] for n in prog.inputs])[0]
             start += real
         return logits.float()
 
@@ -269,6 +312,10 @@ class CompiledEngine(Engine):
             "temperature": _pad(batch.temperature[rows], pad), "top_k": _pad(batch.top_k[rows], pad),
             "top_p": _pad(batch.top_p[rows], pad, 1.0), "num_rows": torch.tensor(n),
         }
+        if spec and "pair_ids" in prog.inputs:  # EAGLE: the pairs the head has not run, k + 1 per row
+            pair_ids, pair_pos, _ = self.draft_state.catch_up_pairs(reqs, slot0, width)
+            values["pair_ids"] = torch.cat([pair_ids, pair_ids.new_zeros(pad, width)])
+            values["pair_positions"] = torch.cat([pair_pos, pair_pos.new_full((pad, width), self.cache.trash_pos)])
         if tree:  # nodes beyond a row's drafts: chain-like parents (in range); padding rows: rewritten
             values["parents"] = torch.arange(k).repeat(b, 1)
             values["parents"][:n, :parents.shape[1]] = parents
@@ -283,9 +330,8 @@ class CompiledEngine(Engine):
                 out = self.graphs(prog, slot0, values, needed)
             else:
                 values["key_positions"] = self._keys(needed)
-                kv = iter(self._kv(slot0, b))
-                args = [next(kv) if name.startswith("kv_") else values[name].to(dev) for name in prog.inputs]
-                out = prog.runner(*args)
+                state = self._state(slot0, b)
+                out = prog.runner(*[state[n] if n in state else values[n].to(dev) for n in prog.inputs])
         out_ids, num_acc, tok_lp, top_ids, top_lp = out[:5]
         lp = (tok_lp[:n].cpu(), top_ids[:n].cpu(), top_lp[:n].cpu())
         result = (out_ids[:n].tolist(), num_acc[:n].tolist(), lp)

@@ -12,7 +12,8 @@ Layout (every path relative to the folder)::
 ``SpeccConfig`` as a dict), ``source`` (the config file and target it was built from),
 ``environment`` (specc, torch, transformers versions, device kind), ``weights_hash``
 (sha256 of the target's safetensors, as ``specc.models.loader.weights_hash``),
-``programs`` (name, kind, batch, tokens, file, input and output signatures, compile
+``draft_hash`` and ``draft_folder`` (an EAGLE artifact: :func:`draft_hash` of the head
+folder its programs were built with), ``programs`` (name, kind, batch, tokens, file, input and output signatures, compile
 seconds), ``constants`` (name -> stored name, for tied weights stored once) and
 ``files`` (path -> size, sha256).
 
@@ -43,7 +44,7 @@ from specc.config import ConfigError
 
 __all__ = [
     "FORMAT_VERSION", "MANIFEST", "ArtifactError", "Artifact", "device_kind", "environment",
-    "check_output_dir", "compiled_cache_key", "model_files_hash", "open_artifact", "source_hash", "write_artifact", "program_config", "program_config_diff", "sha256_file",
+    "check_output_dir", "compiled_cache_key", "draft_hash", "model_files_hash", "open_artifact", "source_hash", "write_artifact", "program_config", "program_config_diff", "sha256_file",
 ]
 
 FORMAT_VERSION = 1
@@ -115,12 +116,26 @@ def model_files_hash(folder: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def draft_hash(folder: str | os.PathLike) -> str:
+    """sha256 over a drafter folder's weights and other files (an EAGLE head's): what,
+    beside the target, an artifact whose programs hold the drafter depends on.
+
+    Raises:
+        FileNotFoundError: no such folder."""
+    from specc.models.loader import weights_hash
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder")
+    return hashlib.sha256((weights_hash(path) + model_files_hash(path)).encode()).hexdigest()
+
+
 # Config fields the compiled programs depend on (the rest: sampling defaults, seed,
 # prompt lookup sizes, are read at run time). The tree switches decide whether the
 # artifact holds tree_step programs.
 _PROGRAM_FIELDS = ("dtype", "device", "max_model_len", "batch_buckets")
 _PROGRAM_SPEC_FIELDS = ("method", "num_speculative_tokens", "num_draft_layers", "suffix_decoding_propose_tree",
-                        "ngram_propose_tree")
+                        "ngram_propose_tree", "eagle_aux_hidden_state_layer_ids")
 
 
 def program_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -143,11 +158,15 @@ def program_config_diff(built: dict[str, Any], wanted: dict[str, Any]) -> list[s
     return out
 
 
-def compiled_cache_key(config: dict[str, Any], weights_hash: str, model_hash: str) -> str:
+def compiled_cache_key(config: dict[str, Any], weights_hash: str, model_hash: str,
+                       drafter_hash: str | None = None) -> str:
     """Folder name, in specc's compile cache, of the artifact for a config: a hash of the
-    program fields, the target's weights and other files, and the environment."""
+    program fields, the target's weights and other files, the environment and, for a
+    drafter compiled into the programs (EAGLE), its :func:`draft_hash`."""
+    drafter = {"draft": drafter_hash} if drafter_hash is not None else {}  # other configs keep their keys
     blob = json.dumps({"config": program_config(config), "weights": weights_hash, "model": model_hash,
-                       "environment": environment(config["device"]), "format": FORMAT_VERSION}, sort_keys=True)
+                       "environment": environment(config["device"]), "format": FORMAT_VERSION, **drafter},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

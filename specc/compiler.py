@@ -24,7 +24,13 @@ speculation, ``spec_step_b{b}`` (``[last token, d_1..d_k]`` per row) for every b
 for an early-exit drafter (``draft_model`` with ``num_draft_layers``) ``spec_step`` is the
 fused draft-then-verify program: :class:`~specc.runtime.programs.EarlyExitStepProgram`
 (k draft steps through the first N layers, then the verify, traced as one module so both
-read the same weight constants) with the accept/reject spliced on using the drafter's q.;
+read the same weight constants) with the accept/reject spliced on using the drafter's q;
+for an EAGLE / EAGLE-3 head (``eagle``, ``eagle3``) ``spec_step`` is
+:class:`~specc.runtime.programs.EagleStepProgram` (the head's catch-up and k chain steps,
+the verify, accept/reject with the head's q) and ``prefill`` is
+:class:`~specc.runtime.programs.EaglePrefillProgram` (the target's chunk and the head's
+prompt pass), both with the head's KV cache and feature buffer as state inputs
+(``drafter`` in the manifest; docs/compile.md, "EAGLE programs");
 for a drafter that proposes token trees (:func:`proposes_trees`) also
 ``tree_step_b{b}`` (``k + 1`` tree nodes per row, the tree's parents an input; tree
 accept/reject and KV compaction by :mod:`specc.passes.tree_accept_reject`).
@@ -61,8 +67,11 @@ KV_LEN_ALIGN = 32
 #: Drafting methods whose step has a compiled program (None = no speculation). Host
 #: drafters' tokens are inputs of ``spec_step``, so one program serves both (the artifact
 #: still records the method it was built for); ``draft_model`` compiles for early exit
-#: (``num_draft_layers``) only, whose drafts are made inside ``spec_step``.
-COMPILED_METHODS = (None, "ngram", "suffix", "draft_model")
+#: (``num_draft_layers``) only, whose drafts are made inside ``spec_step``, as are an
+#: EAGLE / EAGLE-3 head's.
+COMPILED_METHODS = (None, "ngram", "suffix", "draft_model", "eagle", "eagle3")
+#: Methods whose head runs inside ``prefill`` and ``spec_step`` (:func:`plan_programs`).
+EAGLE_METHODS = ("eagle", "eagle3")
 #: Choices of :func:`apply_linear_passes` and the one ``specc compile`` uses.
 LINEAR_PASSES = ("pretranspose", "small_m", "none")
 DEFAULT_LINEAR_PASSES = "pretranspose"
@@ -71,11 +80,14 @@ DEFAULT_LINEAR_PASSES = "pretranspose"
 def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
     """The programs an artifact for ``config`` holds: ``{name, kind, batch, tokens}``
     (``tokens`` = positions per row: the chunk length, 1, or k + 1); a ``spec_step`` that
-    drafts inside the program also has ``draft_layers`` (N of the early-exit drafter)."""
-    plan = [dict(name="prefill", kind="prefill", batch=1, tokens=prefill_chunk(config.max_model_len))]
+    drafts inside the program also has ``draft_layers`` (N of the early-exit drafter) or
+    ``drafter`` (``"eagle"`` / ``"eagle3"``: the head runs in it), as has the prefill of
+    an EAGLE artifact (the head's prompt pass)."""
     spec = config.speculative_config
     k = spec.num_speculative_tokens if spec else 0
-    in_graph = dict(draft_layers=spec.num_draft_layers) if spec and spec.is_early_exit else {}
+    head = dict(drafter=spec.method) if spec and spec.method in EAGLE_METHODS else {}
+    in_graph = dict(draft_layers=spec.num_draft_layers) if spec and spec.is_early_exit else head
+    plan = [dict(name="prefill", kind="prefill", batch=1, tokens=prefill_chunk(config.max_model_len), **head)]
     for b in config.batch_buckets:
         plan.append(dict(name=f"decode_b{b}", kind="decode", batch=b, tokens=1))
         if k:
@@ -100,7 +112,8 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
     if method not in COMPILED_METHODS:
         raise ConfigError(
             f"speculative_config.method = {method!r}: compiled programs exist for 'ngram', 'suffix', "
-            "early exit ('draft_model' with num_draft_layers) and for non-speculative decoding so far; set "
+            "early exit ('draft_model' with num_draft_layers), 'eagle', 'eagle3' and for non-speculative decoding "
+            "so far; set "
             "enforce_eager: true (specc generate/bench/profile: --enforce-eager) to run this method on the "
             "eager path", label)
     if method == "draft_model" and not config.speculative_config.is_early_exit:
@@ -111,10 +124,13 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
     if config.device == "npu":
         raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
                           label)
+    if method in EAGLE_METHODS and config.device == "cuda":
+        raise ConfigError(f"speculative_config.method = {method!r} on device 'cuda': the EAGLE programs' "
+                          "head state is not captured into CUDA graphs yet; set enforce_eager: true", label)
 
 
 def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: str | os.PathLike, *,
-                     progress: bool = True, target=None) -> Path:
+                     progress: bool = True, target=None, head=None) -> Path:
     """Build the artifact folder for ``config`` at ``out_dir`` (atomically).
 
     Args:
@@ -122,6 +138,8 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
         out_dir: destination folder (an earlier artifact there is replaced).
         progress: show a progress bar and per-program times on stderr.
         target: an already loaded :class:`specc.models.loader.LoadedModel` (skips loading).
+        head: an already loaded EAGLE head for ``target`` (``eagle`` / ``eagle3``; skips
+            loading ``speculative_config.model``).
 
     Returns:
         the artifact folder.
@@ -130,7 +148,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
         ConfigError: invalid config, a method without compiled programs, unloadable weights.
         ArtifactError: ``out_dir`` exists and is not an artifact.
     """
-    from specc.artifact import check_output_dir, model_files_hash
+    from specc.artifact import check_output_dir, draft_hash, model_files_hash
     from specc.models.loader import load_model
     from specc.passes.packed_weights import uses_packed_weights
     from specc.session import _check_device
@@ -147,6 +165,9 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
     plan = plan_programs(cfg)
     packed = uses_packed_weights(cfg.torch_dtype, cfg.device)
+    spec = cfg.speculative_config
+    if head is None and spec is not None and spec.method in EAGLE_METHODS:
+        head = _load_head(cfg, target, label)
 
     def build(tmp: Path) -> dict[str, Any]:
         (tmp / PROGRAMS_DIR).mkdir()
@@ -159,7 +180,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             with warnings.catch_warnings():  # torch-internal deprecation noise from export / pytree
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
-                gm, args, dynamic_shapes = build_program(target.model, cfg, prog)
+                gm, args, dynamic_shapes = build_program(target.model, cfg, prog, head=head)
                 prog["packed_constants"] = _lower(gm, args, dynamic_shapes,
                                                   tmp / PROGRAMS_DIR / f"{prog['name']}.pt2", packed=packed)
             prog["file"] = f"{PROGRAMS_DIR}/{prog['name']}.pt2"
@@ -180,6 +201,8 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             "environment": environment(cfg.device),
             "weights_hash": target.weights_hash,
             "model_hash": model_files_hash(target.folder),
+            **({"draft_hash": draft_hash(spec.model), "draft_folder": str(Path(spec.model).expanduser().resolve())}
+               if head is not None else {}),
             "max_logprobs": MAX_LOGPROBS,
             "programs": plan,
             "constants": stored,
@@ -188,25 +211,39 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
     return write_artifact(out_dir, build)
 
 
-def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passes: str = DEFAULT_LINEAR_PASSES):
+def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passes: str = DEFAULT_LINEAR_PASSES,
+                  head=None):
     """The transformed flat graph of one program, its example inputs (flat tuple) and
-    their ``dynamic_shapes`` (``key_positions``' length, kv_len, is the one symbolic size).
+    their ``dynamic_shapes`` (``key_positions``' length, kv_len, is the one symbolic size;
+    a prefill's chunk length another).
 
     Input order: ``input_ids, positions, [last_index,] kv_0 .. kv_{2L-1}, key_positions``
     then, for the step programs, the inputs the passes add (``num_draft_tokens, uniforms,
     temperature, top_k, top_p, num_rows``). An early-exit ``spec_step`` (``draft_layers``)
     takes ``input_ids [b, 1]`` (the last tokens) and its draft loop's ``uniforms,
     temperature, top_k, top_p`` right after ``key_positions``, then ``num_draft_tokens,
-    num_rows``. A ``tree_step``: ``input_ids, start, parents,
-    num_draft_tokens, kv_0 .. kv_{2L-1}, key_positions, uniforms, temperature, top_k,
-    top_p, num_rows``."""
+    num_rows``; an EAGLE ``spec_step`` (``drafter``) the same with the head's state
+    ``head_kv_0 .. head_kv_{2L'-1}, features`` and its catch-up pairs ``pair_ids,
+    pair_positions`` after ``top_p``; an EAGLE ``prefill`` takes ``head_kv_*, features``
+    last. A ``tree_step``: ``input_ids, start, parents, num_draft_tokens, kv_0 ..
+    kv_{2L-1}, key_positions, uniforms, temperature, top_k, top_p, num_rows``.
+
+    Args:
+        head: the loaded EAGLE head of a program with ``drafter`` (None otherwise).
+
+    Raises:
+        ValueError: a program with ``drafter`` and no ``head``.
+    """
     from specc.models.kv_cache import KVCache
     from specc.passes.accept_reject import fuse_accept_reject
-    from specc.passes.bucket_padding import TREE_FILLS, pad_rows
+    from specc.passes.bucket_padding import CHAIN_FILLS, TREE_FILLS, pad_rows
     from specc.passes.signature import export_flat, placeholders
     from specc.passes.tree_accept_reject import fuse_tree_accept_reject
-    from specc.runtime.programs import EarlyExitStepProgram, PrefillProgram, TreeVerifyProgram, VerifyProgram, flat_kv
+    from specc.runtime.programs import (EaglePrefillProgram, EagleStepProgram, EarlyExitStepProgram, PrefillProgram,
+                                        TreeVerifyProgram, VerifyProgram, flat_kv)
 
+    if prog.get("drafter") and head is None:
+        raise ValueError(f"program {prog['name']} runs an EAGLE head: pass head=")
     b, t, S, dev = prog["batch"], prog["tokens"], cfg.max_model_len, cfg.device
     kv = flat_kv(KVCache.for_model(model.config, b, S, cfg.torch_dtype, dev))
     ids = torch.zeros(b, t, dtype=torch.long, device=dev)
@@ -215,43 +252,73 @@ def build_program(model, cfg: SpeccConfig, prog: dict[str, Any], *, linear_passe
     kv_dim = torch.export.Dim("kv_len", min=2, max=S)
     no_kv = (None,) * len(kv)
     k = t - 1
-    extra = step_example_inputs(b, k, dev)
+    values = {**step_example_inputs(b, k, dev), **{f"kv_{i}": x for i, x in enumerate(kv)}, "key_positions": keys}
+    dims: dict[str, dict] = {"key_positions": {0: kv_dim}}
+    state, state_dyn = (), ()
+    if head is not None and prog.get("drafter"):  # the head's state, after the program's own inputs
+        head_kv = flat_kv(head.make_cache(b, S))
+        features = torch.zeros(b, S + 1, head.config.hidden_size, dtype=head.fc.weight.dtype, device=dev)
+        state, state_dyn = (head_kv, features), ((None,) * len(head_kv), None)
+        values.update({f"head_kv_{i}": x for i, x in enumerate(head_kv)}, features=features)
     with torch.no_grad():
         if prog["kind"] == "prefill":
             chunk = torch.export.Dim("chunk", min=2, max=t)
             ids, pos = ids[:, : min(t, 16)], pos[:, : min(t, 16)]  # example length, not a bound
             last = torch.tensor([ids.shape[1] - 1], device=dev)
-            dyn = ({1: chunk}, {1: chunk}, None, no_kv, {0: kv_dim})
-            gm = export_flat(PrefillProgram(model, S), (ids, pos, last, kv, keys), dyn)
+            values.update(input_ids=ids, positions=pos, last_index=last)
+            dims.update(input_ids={1: chunk}, positions={1: chunk})
+            module = EaglePrefillProgram(model, head, S) if state else PrefillProgram(model, S)
+            gm = export_flat(module, (ids, pos, last, kv, keys, *state),
+                             ({1: chunk}, {1: chunk}, None, no_kv, {0: kv_dim}, *state_dyn))
             apply_linear_passes(gm, linear_passes)
-            return gm, (ids, pos, last, *kv, keys), (*dyn[:3], *no_kv, {0: kv_dim})
-        if prog["kind"] == "tree_step":
-            head = (ids, torch.zeros(b, dtype=torch.long, device=dev), chain_parents(b, k, dev),
-                    torch.zeros(b, dtype=torch.long, device=dev))
-            gm = export_flat(TreeVerifyProgram(model, S), (*head, kv, keys), (*[None] * 4, no_kv, {0: kv_dim}))
+        elif prog["kind"] == "tree_step":
+            head_in = (ids, torch.zeros(b, dtype=torch.long, device=dev), chain_parents(b, k, dev),
+                       torch.zeros(b, dtype=torch.long, device=dev))
+            values.update(zip(("input_ids", "start", "parents", "num_draft_tokens"), head_in))
+            gm = export_flat(TreeVerifyProgram(model, S), (*head_in, kv, keys), (*[None] * 4, no_kv, {0: kv_dim}))
             apply_linear_passes(gm, linear_passes)
             gm = fuse_tree_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS, trash_pos=S)
             gm = pad_rows(gm, trash_pos=S, fills=TREE_FILLS)
         else:
-            head = (ids, pos)
-            if prog.get("draft_layers"):  # early exit: the drafts are made inside the program
-                ids = torch.zeros(b, 1, dtype=torch.long, device=dev)  # contiguous: its strides are compiled in
-                head = (ids, pos)
-                drafter = EarlyExitStepProgram(model, S, prog["draft_layers"], k)
-                sampling = tuple(extra[n] for n in ("uniforms", "temperature", "top_k", "top_p"))
-                gm = export_flat(drafter, (*head, kv, keys, *sampling),
-                                 (None, None, no_kv, {0: kv_dim}, *[None] * len(sampling)))
+            fills = CHAIN_FILLS
+            values.update(input_ids=ids, positions=pos)
+            sampling = tuple(values[n] for n in ("uniforms", "temperature", "top_k", "top_p"))
+            if prog.get("draft_layers") or prog.get("drafter"):  # the drafts are made inside the program
+                ids = values["input_ids"] = torch.zeros(b, 1, dtype=torch.long, device=dev)  # contiguous: strides are compiled in
+                if state:
+                    pairs = (torch.zeros(b, t, dtype=torch.long, device=dev), pos.clone())
+                    values.update(pair_ids=pairs[0], pair_positions=pairs[1])
+                    fills = {**CHAIN_FILLS, "pair_ids": 0, "pair_positions": "trash"}
+                    drafter, extra = EagleStepProgram(model, head, S, k), (*state, *pairs)
+                else:
+                    drafter, extra = EarlyExitStepProgram(model, S, prog["draft_layers"], k), ()
+                gm = export_flat(drafter, (ids, pos, kv, keys, *sampling, *extra),
+                                 (None, None, no_kv, {0: kv_dim}, *[None] * len(sampling), *state_dyn,
+                                  *[None] * (len(extra) - len(state))))
             else:
-                gm = export_flat(VerifyProgram(model, S), (*head, kv, keys), (None, None, no_kv, {0: kv_dim}))
+                gm = export_flat(VerifyProgram(model, S), (ids, pos, kv, keys), (None, None, no_kv, {0: kv_dim}))
             apply_linear_passes(gm, linear_passes)
             # CUDA programs are replayed as CUDA graphs: no data-dependent branch (runtime/cuda_graphs.py)
             gm = fuse_accept_reject(gm, num_speculative_tokens=k, max_logprobs=MAX_LOGPROBS,
                                     branch_free=dev == "cuda")
-            gm = pad_rows(gm, trash_pos=S)
+            gm = pad_rows(gm, trash_pos=S, fills=fills)
     names = list(placeholders(gm))
-    rest = names[len(head) + len(kv) + 1:]
-    args = (*head, *kv, keys, *[extra[n] for n in rest])
-    return gm, args, (*[None] * len(head), *no_kv, {0: kv_dim}, *[None] * len(rest))
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise ValueError(f"program {prog['name']}: no example value for inputs {missing}")
+    return gm, tuple(values[n] for n in names), tuple(dims.get(n) for n in names)
+
+
+def _load_head(cfg: SpeccConfig, target, label):
+    """The EAGLE head ``speculative_config.model`` for ``target`` (ConfigError if it cannot load)."""
+    from specc.models.eagle_checkpoint import load_eagle_head
+
+    spec = cfg.speculative_config
+    try:
+        return load_eagle_head(spec.model, target.model, method=spec.method,
+                               layer_ids=spec.eagle_aux_hidden_state_layer_ids)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"speculative_config.model = {spec.model!r}: {e}", label) from e
 
 
 def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:

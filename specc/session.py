@@ -77,10 +77,13 @@ class Session:
             )
         slots = cfg.max_num_seqs if self.programs is None else cache_slots(cfg.max_num_seqs, cfg.batch_buckets)
         self.kv_cache = self._allocate_cache(slots, label)
+        # an EAGLE artifact's head state (its programs read and write it like the KV cache)
+        self.draft_state = self.programs.draft_state(slots, cfg.device) if self.programs is not None else None
         try:
             self.proposer = proposer if proposer is not None else build_proposer(
                 cfg, self.target, self.kv_cache,
-                drafts_in_graph=self.programs is not None and self.programs.drafts_in_graph)
+                drafts_in_graph=self.programs is not None and self.programs.drafts_in_graph,
+                program_state=self.draft_state)
         except ConfigError as e:
             if label is None or e.source is not None:
                 raise
@@ -216,7 +219,7 @@ class Session:
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
         path = cache_dir() / "compiled" / compiled_cache_key(cfg.to_dict(), weights_hash(folder),
-                                                              model_files_hash(folder))
+                                                              model_files_hash(folder), self._draft_hash(label))
         if (path / "manifest.json").is_file():
             try:
                 open_artifact(path)
@@ -230,6 +233,19 @@ class Session:
                   f"{path} (minutes on a small CPU; `enforce_eager: true` skips compilation)", file=sys.stderr)
         compile_artifact(cfg, path, progress=verbose, target=self._load_target(label))
         return path
+
+    def _draft_hash(self, label) -> str | None:
+        """:func:`specc.artifact.draft_hash` of the config's EAGLE head (None for other methods)."""
+        from specc.artifact import draft_hash
+        from specc.compiler import EAGLE_METHODS
+
+        spec = self.config.speculative_config
+        if spec is None or spec.method not in EAGLE_METHODS:
+            return None
+        try:
+            return draft_hash(spec.model)
+        except FileNotFoundError as e:
+            raise ConfigError(f"speculative_config.model = {spec.model!r}: EAGLE head {e}", label) from e
 
     def _open_compiled(self, path: Path, verbose: bool, config: SpeccConfig | None = None) -> None:
         """Open an artifact (checked: see specc.artifact) and load its programs."""
@@ -246,6 +262,7 @@ class Session:
             if diff:
                 raise ArtifactError([f"{path}: built for another config: {d}" for d in diff] + [art.rebuild_hint()])
         self.config = config if config is not None else load_config(art.config)
+        self._check_draft(art, config is not None)
         source = Path(art.manifest["source"]["target_folder"])
         if source.is_dir():  # the source is still here: it must be what the artifact was built from
             for what, now, built in (("weights", weights_hash(source), art.manifest["weights_hash"]),
@@ -261,6 +278,26 @@ class Session:
         self.target = LoadedModel(model=None, tokenizer=AutoTokenizer.from_pretrained(art.path(MODEL_DIR)),
                                   config=ModelConfig.from_hf(hf_config), hf_config=hf_config, folder=source,
                                   weights_hash=art.manifest["weights_hash"])
+
+    def _check_draft(self, art, from_config: bool) -> None:
+        """ArtifactError when the EAGLE head compiled into ``art`` is not the config's
+        (opened for a config) or changed in its folder since (opened as a folder, the
+        folder still there)."""
+        from specc.artifact import draft_hash
+
+        built = art.manifest.get("draft_hash")
+        if built is None:
+            return
+        folder = Path(self.config.speculative_config.model if from_config else art.manifest["draft_folder"])
+        if not from_config and not folder.expanduser().is_dir():
+            return  # the head's folder is gone: the artifact holds its weights
+        try:
+            now = draft_hash(folder)
+        except FileNotFoundError as e:
+            raise ArtifactError(f"{art.root}: EAGLE head {e}; {art.rebuild_hint()}") from e
+        if now != built:
+            raise ArtifactError(f"{art.root}: built with another EAGLE head than {folder} (sha256 {now[:12]}, "
+                                f"built from {built[:12]}); {art.rebuild_hint()}")
 
     def _allocate_cache(self, num_slots: int, label):
         from specc.models.kv_cache import KVCache
@@ -285,7 +322,8 @@ class Session:
         n = self.config.max_num_seqs
         if self.programs is None:
             return Engine(self.target.model, self.kv_cache, self._detokenize, proposer, max_num_seqs=n)
-        return CompiledEngine(self.programs, self.kv_cache, self._detokenize, proposer, max_num_seqs=n)
+        return CompiledEngine(self.programs, self.kv_cache, self._detokenize, proposer, max_num_seqs=n,
+                              draft_state=self.draft_state)
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, chat: bool | None):
         from specc.runtime.request import Request

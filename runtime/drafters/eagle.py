@@ -32,9 +32,66 @@ from specc.models.eagle import EagleHeadBase
 from specc.models.kv_cache import KVCache
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
 from specc.runtime.request import Request
-from specc.runtime.sampling import process_logits, sample_from_probs
+from specc.runtime.sampling import sample_draft
+
+__all__ = ["EagleProposer", "EagleState"]
 
 PREFILL_CHUNK = 256  # prompt pairs per head forward at admission
+
+
+class EagleState:
+    """Per-slot state of an EAGLE head, on the eager path and as compiled program state.
+
+    Args:
+        cache: the head's KV cache (``num_slots`` slots, ``max_model_len + 1`` positions).
+        hidden_size: the head's feature width H.
+
+    Attributes:
+        cache: as given; written by the head at each pair's position.
+        features: ``[slots, max_model_len + 1, H]`` (the cache's dtype and device): the
+            fused target feature at each position, written as the target writes K/V.
+        done: per slot, positions ``< done`` hold pairs the head ran with true features.
+    """
+
+    def __init__(self, cache: KVCache, hidden_size: int):
+        self.cache = cache
+        k0 = cache.k[0]
+        self.features = torch.zeros(cache.num_slots, cache.max_len, hidden_size, dtype=k0.dtype, device=k0.device)
+        self.done = [0] * cache.num_slots
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Slot ``src``'s head K/V, features and ``done`` move to slot ``dst``."""
+        self.cache.copy_slot(src, dst)
+        self.features[dst].copy_(self.features[src])
+        self.done[dst] = self.done[src]
+
+    def catch_up_pairs(self, requests: list[Request], slot0: int = 0,
+                       width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs each row (request ``i`` in slot ``slot0 + i``) has not run with true
+        features: positions ``min(done, n - 1) .. n - 1`` (at least one: its output gives
+        draft 1), padded at the trash position, then marks them done (``done = n``).
+
+        ``width``: the pairs per row (a compiled step's ``k + 1``); a row with more
+        pending keeps its last ``width`` (only a row that will draft no more can fall that
+        far behind: see :class:`~specc.runtime.drafters.in_graph.InGraphDrafter`).
+        None: as many as the most behind row needs.
+
+        Returns:
+            (tokens ``[B, W]`` int64 (``x_{p+1}`` of each pair), positions ``[B, W]``
+            int64, index of each row's last real pair ``[B]`` int64), on the CPU.
+        """
+        n = [r.num_computed for r in requests]
+        start = [min(self.done[slot0 + b], n[b] - 1) for b in range(len(requests))]
+        if width is not None:
+            start = [max(s, m - width) for s, m in zip(start, n)]
+        width = width if width is not None else max(m - s for m, s in zip(n, start))
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        pos = torch.full((len(requests), width), self.cache.trash_pos, dtype=torch.long)
+        for b, r in enumerate(requests):
+            ids[b, : n[b] - start[b]] = torch.tensor(r.all_token_ids[start[b] + 1 : n[b] + 1], dtype=torch.long)
+            pos[b, : n[b] - start[b]] = torch.arange(start[b], n[b])
+            self.done[slot0 + b] = n[b]
+        return ids, pos, torch.tensor([m - s - 1 for m, s in zip(n, start)])
 
 
 class EagleProposer(Proposer):
@@ -51,12 +108,15 @@ class EagleProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.head = head
         self.hidden_layers = head.hidden_layers
-        self.cache: KVCache = head.make_cache(num_slots, max_model_len)
-        w = head.fc.weight
-        # [slots, max_model_len + 1, hidden]: fused target feature at each position
-        self.features = torch.zeros(num_slots, max_model_len + 1, head.config.hidden_size,
-                                    dtype=w.dtype, device=w.device)
-        self.done = [0] * num_slots  # per slot: positions < done hold pairs made from true features
+        self.state = EagleState(head.make_cache(num_slots, max_model_len), head.config.hidden_size)
+
+    @property
+    def cache(self) -> KVCache:
+        return self.state.cache
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self.state.features
 
     # -- state ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -80,31 +140,12 @@ class EagleProposer(Proposer):
             tok = torch.tensor([ids[start + 1 : stop + 1]], dtype=torch.long, device=self.features.device)
             pos = torch.arange(start, stop, dtype=torch.long, device=self.features.device)[None]
             self.head(tok, self.features[slot : slot + 1, start:stop], pos, cache, kv_len=stop)
-        self.done[slot] = max(n - 1, 0)
+        self.state.done[slot] = max(n - 1, 0)
 
     def move_slot(self, src: int, dst: int) -> None:
-        self.cache.copy_slot(src, dst)
-        self.features[dst].copy_(self.features[src])
-        self.done[dst] = self.done[src]
+        self.state.move_slot(src, dst)
 
     # -- drafting ------------------------------------------------------------------------
-    def _catch_up_pairs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pairs each row has not run with true features: positions
-        ``min(done, n - 1) .. n - 1`` (at least one: its output gives draft 1), padded at
-        the trash position. Returns (tokens ``[B, W]``, positions ``[B, W]``, index of
-        each row's last real pair ``[B]``), on the head's device."""
-        B, dev = batch.size, self.features.device
-        n = [r.num_computed for r in batch.requests]
-        start = [min(self.done[b], n[b] - 1) for b in range(B)]
-        width = max(n[b] - start[b] for b in range(B))
-        ids = torch.zeros(B, width, dtype=torch.long)
-        pos = torch.full((B, width), self.cache.trash_pos, dtype=torch.long)
-        for b, r in enumerate(batch.requests):
-            ids[b, : n[b] - start[b]] = torch.tensor(r.all_token_ids[start[b] + 1 : n[b] + 1], dtype=torch.long)
-            pos[b, : n[b] - start[b]] = torch.arange(start[b], n[b])
-        last = torch.tensor([n[b] - start[b] - 1 for b in range(B)])
-        return ids.to(dev), pos.to(dev), last.to(dev)
-
     @torch.inference_mode()
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms: torch.Tensor) -> Proposal:
         B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
@@ -112,7 +153,7 @@ class EagleProposer(Proposer):
         temperature, top_k, top_p, greedy = (x.to(dev) for x in (batch.temperature, batch.top_k, batch.top_p,
                                                                   batch.is_greedy))
         uniforms = uniforms.to(dev)
-        ids, pos, last = self._catch_up_pairs(batch)
+        ids, pos, last = (x.to(dev) for x in self.state.catch_up_pairs(batch.requests))
         rows = torch.arange(B, device=dev)
         feats = self.features[rows[:, None], pos]                         # [B, W, H]
         next_pos = torch.tensor([r.num_computed for r in batch.requests], device=dev)
@@ -122,9 +163,8 @@ class EagleProposer(Proposer):
         for step in range(k):
             kv_len = int(torch.where(pos == trash, 0, pos).max()) + 1
             h = self.head(ids, feats, pos, cache, kv_len=kv_len)[rows, last]  # [B, H]
-            logits = self.head.compute_logits(h)                          # [B, V]
-            q = torch.softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
-            tok = torch.where(greedy, logits.argmax(-1), sample_from_probs(q, uniforms[:, step]))
+            tok, q = sample_draft(self.head.compute_logits(h), temperature, top_k, top_p, greedy,
+                                  uniforms[:, step])
             drafts.append(tok)
             probs.append(q)
             # next pair: (this output, this draft) at the next position (trash past the limit)
@@ -132,7 +172,6 @@ class EagleProposer(Proposer):
             p = next_pos + step
             pos = torch.where(p < limit, p, torch.full_like(p, trash))[:, None]
             last = torch.zeros(B, dtype=torch.long, device=dev)
-        self.done[:B] = [r.num_computed for r in batch.requests]
         num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=k)
         any_sampled = not bool(batch.is_greedy.all())
         return Proposal(torch.stack(drafts, dim=1).cpu(), num,

@@ -9,12 +9,14 @@ from specc.runtime.drafters.base import Proposer
 
 
 def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCache, *,
-                   drafts_in_graph: bool = False) -> Proposer | None:
+                   drafts_in_graph: bool = False, program_state=None) -> Proposer | None:
     """Return the drafter for ``config.speculative_config`` (None: no speculation).
 
     ``drafts_in_graph``: the session replays compiled programs whose ``spec_step`` drafts
-    itself (early exit): the proposer is then the
-    :class:`~specc.runtime.drafters.in_graph.InGraphDrafter` stand-in.
+    itself (early exit, EAGLE): the proposer is then the
+    :class:`~specc.runtime.drafters.in_graph.InGraphDrafter` stand-in, which owns
+    ``program_state`` (the EAGLE programs' head state,
+    :meth:`specc.runtime.replay.ProgramSet.draft_state`).
 
     Raises:
         ConfigError: the drafter does not fit the target (too many early-exit layers, a
@@ -60,6 +62,10 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
         )
         return DraftModelProposer(drafter.model, k, cache, target.config.vocab_size)
     if spec.method in ("eagle", "eagle3"):
+        if drafts_in_graph:
+            from specc.runtime.drafters.in_graph import InGraphDrafter
+
+            return InGraphDrafter(k, state=program_state)
         from specc.models.eagle_checkpoint import load_eagle_head
         from specc.runtime.drafters.eagle import EagleProposer
 

@@ -139,7 +139,18 @@ class PrefillProgram(nn.Module):
         return model.lm_head(model.model.norm(h)).float().squeeze(1)
 
 
-class EarlyExitStepProgram(nn.Module):
+class _FusedStepProgram(nn.Module):
+    """What the draft-then-verify programs hold: the target, the trash position
+    (``max_model_len``) and k."""
+
+    def __init__(self, model: LlamaForCausalLM, max_model_len: int, num_speculative_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.max_model_len = max_model_len
+        self.k = num_speculative_tokens
+
+
+class EarlyExitStepProgram(_FusedStepProgram):
     """Draft-then-verify for an early-exit drafter (the target's first ``num_draft_layers``
     layers + final norm + lm_head over the shared cache), as one traced forward.
 
@@ -162,11 +173,8 @@ class EarlyExitStepProgram(nn.Module):
 
     def __init__(self, model: LlamaForCausalLM, max_model_len: int, num_draft_layers: int,
                  num_speculative_tokens: int) -> None:
-        super().__init__()
-        self.model = model
-        self.max_model_len = max_model_len
+        super().__init__(model, max_model_len, num_speculative_tokens)
         self.num_draft_layers = num_draft_layers
-        self.k = num_speculative_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, ...],
                 key_positions: torch.Tensor | None, uniforms: torch.Tensor, temperature: torch.Tensor,
@@ -258,7 +266,7 @@ class EaglePrefillProgram(PrefillProgram):
         return self._last_logits(out.hidden_states[n], last_index)
 
 
-class EagleStepProgram(nn.Module):
+class EagleStepProgram(_FusedStepProgram):
     """Draft-then-verify for an EAGLE / EAGLE-3 head, as one traced forward: the eager
     :meth:`specc.runtime.drafters.eagle.EagleProposer.propose` (catch-up, then k - 1
     chain steps), then the verify, whose fused features are written into ``features``
@@ -287,11 +295,8 @@ class EagleStepProgram(nn.Module):
 
     def __init__(self, model: LlamaForCausalLM, head: EagleHeadBase, max_model_len: int,
                  num_speculative_tokens: int) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model, max_model_len, num_speculative_tokens)
         self.head = head
-        self.max_model_len = max_model_len
-        self.k = num_speculative_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, ...],
                 key_positions: torch.Tensor | None, uniforms: torch.Tensor, temperature: torch.Tensor,

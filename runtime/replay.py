@@ -156,7 +156,7 @@ class CompiledEngine(Engine):
         kv_cache: the session's cache (``num_slots`` = max_num_seqs).
         detokenize, proposer: as :class:`Engine`; a proposer's ``num_speculative_tokens``
             must equal the programs' k (None for non-speculative decoding), and it may not
-            ask for target hidden states (``hidden_layers``: EAGLE runs eagerly). Programs
+            ask for target hidden states (``hidden_layers``: the eager EAGLE proposer). Programs
             that draft inside ``spec_step`` take the
             :class:`~specc.runtime.drafters.in_graph.InGraphDrafter` stand-in, and only
             they do.
@@ -183,7 +183,8 @@ class CompiledEngine(Engine):
         if proposer is not None and proposer.hidden_layers:
             raise ValueError(f"{type(proposer).__name__} drafts from target hidden states "
                              f"(layers {list(proposer.hidden_layers)}); compiled programs do not return "
-                             "them: run it with enforce_eager: true")
+                             "them (an EAGLE artifact runs its head inside the programs, with the "
+                             "InGraphDrafter stand-in): run it with enforce_eager: true")
         if proposer is not None and proposer.drafts_in_graph != programs.drafts_in_graph:
             raise ValueError(
                 f"{type(proposer).__name__} does not fit these programs: "

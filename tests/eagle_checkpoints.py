@@ -105,3 +105,19 @@ def _write(folder: Path, sd: dict[str, torch.Tensor], config: dict) -> Path:
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(str(folder / "model.safetensors"))
+
+
+def write_echo_eagle_checkpoint(folder: Path, config, *, scale: float = 0.3, seed: int = 0) -> Path:
+    """An EAGLE head that mostly passes the target's feature through (``fc`` = ``[scale *
+    random | I]``, attention and MLP outputs scaled by ``scale``), so its first draft is
+    mostly the target's own last prediction again. The tiny random targets' greedy output
+    repeats tokens often, so such drafts are accepted at times (also at position 2):
+    acceptance paths, and catch-ups over several pairs, get exercised with random weights."""
+    write_eagle_checkpoint(folder, config, seed=seed)
+    sd = read_tensors(folder)
+    h = config.hidden_size
+    sd["fc.weight"] = torch.cat([sd["fc.weight"][:, :h] * scale, torch.eye(h)], dim=1)
+    sd["fc.bias"] = sd["fc.bias"] * scale
+    for key in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        sd[key] = sd[key] * scale
+    return _write(folder, sd, json.loads((folder / "config.json").read_text()))

@@ -115,6 +115,13 @@ def make_session(model_dir, spec: dict | None = None, *, proposer=None, max_mode
     return Session(cfg, proposer=proposer, verbose=False)
 
 
+def spec_counts(outs) -> list[tuple]:
+    """Per output ``(num_drafts, num_draft_tokens, num_accepted_tokens,
+    accepted_per_position)``: equal on two paths iff they drafted and accepted alike."""
+    return [(o.metrics.spec.num_drafts, o.metrics.spec.num_draft_tokens, o.metrics.spec.num_accepted_tokens,
+             o.metrics.spec.accepted_per_position) for o in outs]
+
+
 # ------------------------------------------------------------------------------ oracle truth
 def greedy_truth(session: Session, prompts, max_tokens: int, **kw) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, output ids) of each prompt's non-speculative greedy run."""

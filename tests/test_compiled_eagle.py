@@ -1,8 +1,10 @@
 """The compiled EAGLE path: ``spec_step`` runs the head's catch-up, its k chain steps, the
 verify and accept/reject as one program; ``prefill`` also runs the head's prompt pass.
 
-One artifact for the module: the tiny Llama (2 layers) with a random EAGLE head (a copy of
-``tiny_eagle_heads["eagle"]``, so one test can change its weights), k = 2, buckets {1, 2},
+One artifact for the module: the tiny Llama (2 layers) with a random "echo" EAGLE head
+(:func:`eagle_checkpoints.write_echo_eagle_checkpoint`: its drafts are accepted at times,
+at both positions, so catch-ups over several pairs run; written per module, so one test
+can change its weights), k = 2, buckets {1, 2},
 max_num_seqs 2: ``prefill``, ``decode_b{1,2}`` and ``spec_step_b{1,2}``, the head's KV
 cache and feature buffer as program state. Checked:
 
@@ -20,12 +22,12 @@ cache and feature buffer as program state. Checked:
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from helpers import drafter_spec, forbid_compiling, greedy, make_session
+from eagle_checkpoints import write_echo_eagle_checkpoint
+from helpers import drafter_spec, forbid_compiling, greedy, make_session, spec_counts
 from specc import SamplingParams, Session
 from specc.artifact import ArtifactError
 from specc.compiler import compile_artifact
@@ -39,9 +41,14 @@ MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def head_dir(tiny_eagle_heads, tmp_path_factory):
-    """A copy of the tiny EAGLE head (a test rewrites its weights, then restores them)."""
-    return shutil.copytree(tiny_eagle_heads["eagle"], tmp_path_factory.mktemp("head") / "eagle")
+def head_dir(tiny_llama_dir, tmp_path_factory):
+    """An echo EAGLE head for the tiny Llama (a test rewrites its weights, then restores them)."""
+    from transformers import AutoConfig
+
+    from specc.models.llama import ModelConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_llama_dir))
+    return write_echo_eagle_checkpoint(tmp_path_factory.mktemp("head") / "echo", config)
 
 
 def _config(target, head, method="eagle", buckets=BUCKETS, **spec) -> dict:
@@ -64,17 +71,6 @@ def compiled(artifact) -> Session:
 def eager(tiny_llama_dir, head_dir) -> Session:
     return make_session(tiny_llama_dir, drafter_spec("eagle", K, head_dir), max_model_len=MAX_MODEL_LEN,
                         max_num_seqs=2, batch_buckets=BUCKETS)
-
-
-@pytest.fixture(scope="module")
-def reference(eager, pool):  # noqa: F811
-    """Each request alone on the eager path without speculation."""
-    return [eager.generate([p], _params(m), use_speculation=False)[0] for p, m in pool]
-
-
-def _spec_counts(outs):
-    return [(o.metrics.spec.num_drafts, o.metrics.spec.num_draft_tokens, o.metrics.spec.num_accepted_tokens,
-             o.metrics.spec.accepted_per_position) for o in outs]
 
 
 # ------------------------------------------------------------------------------ the artifact
@@ -110,7 +106,7 @@ def test_opening_does_not_trace_or_compile(artifact, monkeypatch, pool):  # noqa
 
 # ------------------------------------------------------------------------------ compiled == eager
 @pytest.mark.parametrize("rows", [[0], [2, 4], [0, 1, 2, 3, 5]])
-def test_greedy_equals_eager(rows, compiled, eager, pool, reference):  # noqa: F811
+def test_greedy_equals_eager(rows, compiled, eager, pool):  # noqa: F811
     """Bucket 1, bucket 2 (rows finish at different steps: 2 -> 1), and five requests
     through two slots (admitted as others finish; the last slot's request moves into the
     freed one). Same tokens as non-speculative decoding, and the same drafts accepted per
@@ -121,16 +117,18 @@ def test_greedy_equals_eager(rows, compiled, eager, pool, reference):  # noqa: F
     _assert_same(outs, eager_outs)
     refs = [eager.generate([p], q, use_speculation=False)[0] for p, q in zip(prompts, params)]
     _assert_same(outs, refs)
-    assert _spec_counts(outs) == _spec_counts(eager_outs)
+    assert spec_counts(outs) == spec_counts(eager_outs)
     assert sum(o.metrics.spec.num_drafts for o in outs) > 0
+    if len(rows) > 1:  # drafts accepted at both positions: catch-ups of 2 and 3 pairs ran
+        assert all(sum(o.metrics.spec.accepted_per_position[i] for o in outs) > 0 for i in range(K))
 
 
-def test_baseline_on_compiled_programs(compiled, pool, reference):  # noqa: F811
+def test_baseline_on_compiled_programs(compiled, eager, pool):  # noqa: F811
     """use_speculation=False on an EAGLE artifact: its prefill (with the head's prompt
-    pass) and decode programs give the non-speculative tokens."""
-    outs = compiled.generate([pool[2][0], pool[4][0]], [_params(pool[2][1]), _params(pool[4][1])],
-                             use_speculation=False)
-    _assert_same(outs, [reference[2], reference[4]])
+    pass) and decode programs give the eager non-speculative tokens."""
+    prompts, params = [pool[2][0], pool[4][0]], [_params(pool[2][1]), _params(pool[4][1])]
+    _assert_same(compiled.generate(prompts, params, use_speculation=False),
+                 eager.generate(prompts, params, use_speculation=False))
 
 
 SAMPLED = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=12),
@@ -223,5 +221,27 @@ def test_eagle3_compiled_equals_eager(tiny_llama_dir, tiny_eagle_heads, tmp_path
     prompts, params = [pool[0][0], pool[2][0]], [_params(10), _params(8)]
     outs, eager_outs = s.generate(prompts, params), eager3.generate(prompts, params)
     _assert_same(outs, eager_outs)
-    assert _spec_counts(outs) == _spec_counts(eager_outs)
+    assert spec_counts(outs) == spec_counts(eager_outs)
     assert sum(o.metrics.spec.num_drafts for o in outs) > 0
+
+
+# ------------------------------------------------------------------------------ catch-up pairs
+def test_catch_up_pairs_fixed_width():
+    """A compiled step's catch-up is k + 1 pairs wide: rows with fewer pending pairs are
+    padded at the trash position, a row further behind (one that will draft no more)
+    keeps its last k + 1; ``done`` advances to ``num_computed``; slot0 offsets the slots."""
+    from types import SimpleNamespace
+
+    from specc.models.kv_cache import KVCache
+    from specc.runtime.drafters.eagle import EagleState
+
+    state = EagleState(KVCache(1, 3, 1, 16, 4), 8)
+    state.done = [5, 1, 2]
+    reqs = [SimpleNamespace(num_computed=n, all_token_ids=list(range(100, 112))) for n in (2, 10)]
+    ids, pos, last = state.catch_up_pairs(reqs, slot0=1, width=3)
+    assert pos.tolist() == [[1, 16, 16], [7, 8, 9]] and last.tolist() == [0, 2]
+    assert ids[0, :1].tolist() == [102] and ids[1].tolist() == [108, 109, 110]
+    assert state.done == [5, 2, 10]
+    state.done = [0, 1, 2]
+    ids, pos, last = state.catch_up_pairs(reqs, slot0=1)  # eager: as wide as the most behind row
+    assert pos.shape == (2, 8) and last.tolist() == [0, 7]

@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 
-from helpers import drafter_spec, forbid_compiling, greedy, make_session
+from helpers import drafter_spec, forbid_compiling, greedy, make_session, spec_counts
 from specc import SamplingParams, Session
 from specc.compiler import check_compilable, compile_artifact
 from specc.config import ConfigError, load_config
@@ -60,11 +60,6 @@ def reference(eager, pool):  # noqa: F811
     return [eager.generate([p], _params(m), use_speculation=False)[0] for p, m in pool]
 
 
-def _spec_counts(outs):
-    return [(o.metrics.spec.num_drafts, o.metrics.spec.num_draft_tokens, o.metrics.spec.num_accepted_tokens,
-             o.metrics.spec.accepted_per_position) for o in outs]
-
-
 # ------------------------------------------------------------------------------ the artifact
 def test_manifest_plans_fused_spec_steps(artifact):
     m = json.loads((artifact / "manifest.json").read_text())
@@ -97,7 +92,7 @@ def test_greedy_equals_eager_in_every_bucket(n, compiled, eager, pool, reference
     _assert_same(outs, reference[:n])
     eager_outs = eager.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager_outs]
-    assert _spec_counts(outs) == _spec_counts(eager_outs)
+    assert spec_counts(outs) == spec_counts(eager_outs)
     assert sum(o.metrics.spec.num_drafts for o in outs) > 0
 
 
@@ -109,7 +104,7 @@ def test_drafts_are_accepted(compiled, eager, pool):  # noqa: F811
     outs = compiled.generate(prompts, params)
     eager_outs = eager.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager_outs]
-    assert _spec_counts(outs) == _spec_counts(eager_outs)
+    assert spec_counts(outs) == spec_counts(eager_outs)
     assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
 
 

@@ -188,7 +188,7 @@ class CompiledEngine(Engine):
         if proposer is not None and proposer.drafts_in_graph != programs.drafts_in_graph:
             raise ValueError(
                 f"{type(proposer).__name__} does not fit these programs: "
-                + ("their spec_step drafts inside the program (early exit) and takes no host drafts"
+                + ("their spec_step drafts inside the program (early exit, EAGLE) and takes no host drafts"
                    if programs.drafts_in_graph else
                    "it drafts inside a program, but these spec_step programs take host drafts"))
         self.draft_state = draft_state if draft_state is not None else getattr(proposer, "state", None)

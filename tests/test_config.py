@@ -530,7 +530,7 @@ def test_example_early_exit():
 def test_example_eagle():
     cfg = load_config(EXAMPLES / "smollm2-eagle.yaml")
     sc = cfg.speculative_config
-    assert sc.method == "eagle" and sc.model.endswith("heads/smollm2-eagle") and cfg.enforce_eager
+    assert sc.method == "eagle" and sc.model.endswith("heads/smollm2-eagle") and not cfg.enforce_eager
 
 
 def test_examples_load_from_any_cwd(tmp_path, monkeypatch):

@@ -20,9 +20,14 @@ variant's own M=1 time:
   per call) — eager specc with ``dtype: bfloat16``;
 * ``bf16_packed``: bf16 weights packed once (``mkldnn._reorder_linear_weight``) through
   ``mkldnn._linear_pointwise``, what Inductor's freezing (and so a compiled bf16 program,
-  ``passes/packed_weights.py``) runs.
+  ``passes/packed_weights.py``) runs;
+* ``bf16_gemv``: bf16 weights as they are ``[N, K]`` through ``specc::small_m_linear``
+  (``kernels/small_m_gemv.py``: AVX512_BF16 dot products streaming each weight once).
 
-Usage: python bench/small_m_gemm.py [--rows 1 2 3 5 8 16] [--variants nt nn ...] [--threads 1]
+``--lm-head`` times SmolLM2's 49152 x 576 lm_head alone instead of the layers. Besides ms
+the table gives GB/s of weight bytes read (fp32 variants 4 bytes a weight, bf16 ones 2).
+
+Usage: python bench/small_m_gemm.py [--rows 1 2 3 5 8 16] [--variants nt nn ...] [--threads 1] [--lm-head]
 Results and conclusions: docs/compile.md, "Verify cost".
 """
 
@@ -35,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) per projection
-VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template", "bf16_nt", "bf16_packed")
+LM_HEAD = [(576, 49152)]
+VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template", "bf16_nt", "bf16_packed", "bf16_gemv")
 
 
 def _rows_reduction(x, weights):
@@ -85,6 +91,11 @@ def build(variant: str, weights, m: int):
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), m) for w in weights]
         return lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[j % 4].bfloat16(), p, None, "none", [], "")
                            for j, p in enumerate(packed)]
+    if variant == "bf16_gemv":
+        from specc.kernels.small_m_gemv import small_m_linear
+
+        w16 = [w.bfloat16() for w in weights]
+        return lambda xs: [small_m_linear(xs[j % 4].bfloat16(), w) for j, w in enumerate(w16)]
     raise ValueError(variant)
 
 
@@ -95,12 +106,16 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lm-head", action="store_true", help="the 49152 x 576 lm_head alone (once per layer count 1)")
     a = ap.parse_args(argv)
+    shapes = LM_HEAD if a.lm_head else SHAPES
+    layers = 1 if a.lm_head else a.layers
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.05 for _ in range(a.layers) for k, n in SHAPES]
-    mib = sum(w.numel() * 4 for w in weights) / 2**20
-    inputs = {m: [torch.randn(m, k) for k, _ in SHAPES] for m in a.rows}
+    weights = [torch.randn(n, k) * 0.05 for _ in range(layers) for k, n in shapes]
+    nweights = sum(w.numel() for w in weights)
+    mib = nweights * 4 / 2**20
+    inputs = {m: [torch.randn(m, k) for k, _ in shapes] * (4 // len(shapes)) for m in a.rows}
     fns = {(v, m): build(v, weights, m) for v in a.variants for m in a.rows}
     with torch.no_grad():
         for (v, m), fn in fns.items():
@@ -114,12 +129,15 @@ def main(argv=None) -> None:
                 fn(inputs[m])
                 dt = time.perf_counter() - t
                 best[v, m] = min(best.get((v, m), dt), dt)
-    print(f"{a.layers} layers' projections, {mib:.0f} MiB fp32 (half in bf16), {a.threads} thread(s); best of {a.repeats}, "
-          "ms (ratio to the variant's M=1)")
-    print("variant       " + "".join(f"M={m:<14}" for m in a.rows))
+    what = "the lm_head" if a.lm_head else f"{layers} layers' projections"
+    print(f"{what}, {mib:.0f} MiB fp32 (half in bf16), {a.threads} thread(s); best of {a.repeats}, "
+          "ms (ratio to the variant's M=1) GB/s of weight bytes")
+    print("variant       " + "".join(f"M={m:<22}" for m in a.rows))
     for v in a.variants:
         base = best[v, a.rows[0]]
-        print(f"{v:<13} " + "".join(f"{best[v, m] * 1e3:6.1f} ({best[v, m] / base:4.2f}x)  " for m in a.rows))
+        nbytes = nweights * (2 if v.startswith("bf16") else 4)
+        print(f"{v:<13} " + "".join(f"{best[v, m] * 1e3:6.1f} ({best[v, m] / base:4.2f}x) {nbytes / best[v, m] / 1e9:5.1f}  "
+                                    for m in a.rows))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Usage::
     python bench/verify_cost.py --model smollm2-135m-instruct --model /path/qwen2.5-coder-0.5b.gguf \\
         --batch 1 4 --tokens 1 2 3 5 8 16 --json verify_cost.json
     python bench/verify_cost.py --quick --linear-passes small_m   # another linear lowering
+    python bench/verify_cost.py --quick --dtype bfloat16 --linear-passes pretranspose gemv  # two, interleaved
 
 ``--json OUT`` writes ``{model: {"batch": {b: {T: ratio}}, "ms": {b: {T: ms}},
 "floor_ms": ..., "read_gbs": ..., "weight_mib": ...}, "settings": {...}}``.
@@ -96,39 +97,49 @@ def compile_step(model, cfg, b: int, T: int, kv_len: int, linear_passes: str, wo
 
 
 def measure_model(spec: str, batches, tokens, kv_len: int, repeats: int, inner: int,
-                  linear_passes: str, read_gbs: float, dtype: str = "float32") -> dict:
+                  linear_passes, read_gbs: float, dtype: str = "float32") -> dict:
+    """Compile and time the step programs of ``spec`` (module docstring). ``linear_passes``:
+    one choice of :data:`specc.compiler.LINEAR_PASSES` or a list of them, all timed
+    interleaved in the same rounds; with a list, the result holds one entry per choice,
+    each ratio taken against the FIRST choice's decode in the same round."""
+    passes_list = [linear_passes] if isinstance(linear_passes, str) else list(linear_passes)
     cfg = load_config({"target": spec, "max_model_len": max(2 * kv_len, 256), "enforce_eager": True,
                        "dtype": dtype})
     target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
-    out = {"batch": {}, "ms": {}, "decode_pct_of_floor": {}}
+    outs = {lp: {"batch": {}, "ms": {}, "decode_pct_of_floor": {}} for lp in passes_list}
     packed = PackedWeights()
     with tempfile.TemporaryDirectory() as tmp:
         for b in batches:
-            calls, nbytes = {}, 0
-            for T in tokens:
-                t0 = time.perf_counter()
-                calls[T], nbytes = compile_step(target.model, cfg, b, T, kv_len, linear_passes, Path(tmp), packed)
-                print(f"  compiled b={b} T={T} in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            calls, nbytes = {}, {}
+            for lp in passes_list:
+                (Path(tmp) / lp).mkdir(exist_ok=True)
+                for T in tokens:
+                    t0 = time.perf_counter()
+                    calls[lp, T], nbytes[lp] = compile_step(target.model, cfg, b, T, kv_len, lp, Path(tmp) / lp,
+                                                            packed)
+                    print(f"  compiled b={b} T={T} ({lp}) in {time.perf_counter() - t0:.0f}s", file=sys.stderr,
+                          flush=True)
+            keys = list(calls)
             for call in calls.values():
                 call()
-            times = {T: [] for T in tokens}
+            times = {key: [] for key in keys}
             for r in range(repeats):
-                order = tokens[r % len(tokens):] + tokens[: r % len(tokens)]
-                for T in order:
+                for key in keys[r % len(keys):] + keys[: r % len(keys)]:
                     t = time.perf_counter()
                     for _ in range(inner):
-                        calls[T]()
-                    times[T].append((time.perf_counter() - t) / inner)
-            base = tokens[0]
-            out["batch"][b] = {T: round(statistics.median(x / y for x, y in zip(times[T], times[base])), 3)
-                               for T in tokens}
-            out["ms"][b] = {T: round(statistics.median(times[T]) * 1e3, 2) for T in tokens}
-            out["weight_mib"] = round(nbytes / 2**20, 1)
-            floor = nbytes / (read_gbs * 1e9) * 1e3
-            out["floor_ms"] = round(floor, 2)
-            out["decode_pct_of_floor"][b] = round(100 * floor / out["ms"][b][base], 1)
+                        calls[key]()
+                    times[key].append((time.perf_counter() - t) / inner)
+            base = times[passes_list[0], tokens[0]]
+            for lp, out in outs.items():
+                out["batch"][b] = {T: round(statistics.median(x / y for x, y in zip(times[lp, T], base)), 3)
+                                   for T in tokens}
+                out["ms"][b] = {T: round(statistics.median(times[lp, T]) * 1e3, 2) for T in tokens}
+                out["weight_mib"] = round(nbytes[lp] / 2**20, 1)
+                floor = nbytes[lp] / (read_gbs * 1e9) * 1e3
+                out["floor_ms"] = round(floor, 2)
+                out["decode_pct_of_floor"][b] = round(100 * floor / out["ms"][b][tokens[0]], 1)
             del calls
-    return out
+    return outs[passes_list[0]] if isinstance(linear_passes, str) else outs
 
 
 def print_table(name: str, res: dict, tokens) -> None:
@@ -149,7 +160,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--linear-passes", choices=LINEAR_PASSES, default=DEFAULT_LINEAR_PASSES)
+    ap.add_argument("--linear-passes", choices=LINEAR_PASSES, nargs="+", default=[DEFAULT_LINEAR_PASSES],
+                    help="one lowering, or several timed interleaved (ratios against the first one's decode)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="model dtype; bf16/fp16 programs get oneDNN-packed weights on CPUs that run them")
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, b=1, T=1,5, fewer repeats")
@@ -162,14 +174,21 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     models = a.model or ["smollm2-135m-instruct"]
     read_gbs = read_bandwidth_gbs()
-    print(f"read bandwidth {read_gbs:.1f} GB/s ({a.threads} thread(s)); linear passes: {a.linear_passes}; "
+    lps = a.linear_passes[0] if len(a.linear_passes) == 1 else a.linear_passes
+    print(f"read bandwidth {read_gbs:.1f} GB/s ({a.threads} thread(s)); linear passes: {' '.join(a.linear_passes)}; "
           f"dtype {a.dtype}")
     results = {}
     for spec in models:
-        results[spec] = measure_model(spec, a.batch, a.tokens, a.kv_len, a.repeats, a.inner,
-                                      a.linear_passes, read_gbs, a.dtype)
-        results[spec]["read_gbs"] = round(read_gbs, 2)
-        print_table(spec, results[spec], a.tokens)
+        res = measure_model(spec, a.batch, a.tokens, a.kv_len, a.repeats, a.inner, lps, read_gbs, a.dtype)
+        if isinstance(lps, str):
+            results[spec] = res
+            res["read_gbs"] = round(read_gbs, 2)
+            print_table(spec, res, a.tokens)
+        else:
+            for lp, r in res.items():
+                results[f"{spec} [{lp}]"] = r
+                r["read_gbs"] = round(read_gbs, 2)
+                print_table(f"{spec} [{lp}] (ratios vs {lps[0]} decode)", r, a.tokens)
     if a.json:
         results["settings"] = dict(kv_len=a.kv_len, threads=a.threads, linear_passes=a.linear_passes, dtype=a.dtype,
                                    repeats=a.repeats, inner=a.inner, torch=torch.__version__)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from specc.passes.graph_attrs import get_attr_tensor
+
 __all__ = ["uses_packed_weights", "lower_packed", "PackedWeights", "bind_constants"]
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -80,9 +82,10 @@ def lower_packed(ep: torch.export.ExportedProgram, constants: dict[str, torch.Te
 
     def capture(graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
-        for node in graph.nodes:
-            if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor):
-                captured[node.target] = getattr(gm, node.target)
+        for node in graph.nodes:  # dotted targets too: a program with no packed linear keeps the names
+            t = get_attr_tensor(gm, node.target) if node.op == "get_attr" else None
+            if t is not None:
+                captured[node.target] = t
 
     with torch.no_grad():  # freezing only runs for inference graphs
         torch._inductor.aoti_compile_and_package(

@@ -44,6 +44,7 @@ import torch
 
 from specc.artifact import Artifact, WEIGHTS
 from specc.compiler import KV_LEN_ALIGN
+from specc.kernels import small_m_gemv  # noqa: F401  (defines specc::small_m_linear, which programs may call)
 from specc.models.kv_cache import KVCache
 from specc.passes.packed_weights import PackedWeights, bind_constants
 from specc.runtime.cuda_graphs import StepGraphs, use_cuda_graphs

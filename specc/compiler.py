@@ -73,7 +73,7 @@ COMPILED_METHODS = (None, "ngram", "suffix", "draft_model", "eagle", "eagle3")
 #: Methods whose head runs inside ``prefill`` and ``spec_step`` (:func:`plan_programs`).
 EAGLE_METHODS = ("eagle", "eagle3")
 #: Choices of :func:`apply_linear_passes` and the one ``specc compile`` uses.
-LINEAR_PASSES = ("pretranspose", "small_m", "none")
+LINEAR_PASSES = ("pretranspose", "small_m", "gemv", "none")
 DEFAULT_LINEAR_PASSES = "pretranspose"
 
 
@@ -336,6 +336,12 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
       the layers' shapes, but slower in the whole program (b=1 T=1 0.88x, T=5 1.02x of no
       pass) and on the 49152-row lm_head (15 vs 8 ms): not the default; kept for the
       benchmarks (docs/compile.md, "Verify cost").
+    * ``"gemv"``: fusion, then bf16 linears over at most 16 static rows (decode and step
+      programs; not the prefill chunk) through ``specc::small_m_linear``
+      (:mod:`~specc.passes.small_m_gemv`: weights stay plain ``[N, K]``, no packed copy);
+      the others stay ``aten.linear`` (freezing packs them for oneDNN). For bf16 CPU
+      programs; a no-op on fp32 graphs beyond fusion. Measured in docs/compile.md,
+      "Verify cost".
     * ``"none"``: the exported graph as is.
 
     Raises:
@@ -343,6 +349,7 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
     """
     from specc.passes.fuse_projections import fuse_projections
     from specc.passes.pretranspose_weights import pretranspose_weights
+    from specc.passes.small_m_gemv import small_m_gemvs
     from specc.passes.small_m_linear import small_m_linears
 
     if which not in LINEAR_PASSES:
@@ -352,6 +359,8 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
     fuse_projections(gm)
     if which == "small_m":
         small_m_linears(gm)
+    elif which == "gemv":
+        small_m_gemvs(gm)
     else:
         pretranspose_weights(gm)
 

@@ -92,9 +92,15 @@ def test_bf16_artifact_shares_packed_weights_and_is_lossless(tiny_qwen2_dir, tmp
     ref = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, torch_dtype=torch.bfloat16).eval()
     for use_speculation in (True, False):
         outs = compiled.generate(prompts, greedy(12), use_speculation=use_speculation)
-        for prompt, out in zip(prompts, (o.token_ids for o in outs)):
-            with torch.no_grad():
-                logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
-            chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
-            best = logits.max(dim=1).values
-            assert (best - chosen <= 4 * best.abs() * 2 ** -8 + 1e-3).all(), (use_speculation, best - chosen)
+        assert_reference_argmax(ref, prompts, [o.token_ids for o in outs], use_speculation)
+
+
+def assert_reference_argmax(ref, prompts, outputs, label=None) -> None:
+    """Every token of ``outputs[i]`` (greedy continuations of ``prompts[i]``) is ``ref``'s
+    argmax at its position up to bf16 rounding (4 bf16 steps of the best logit)."""
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        best = logits.max(dim=1).values
+        assert (best - chosen <= 4 * best.abs() * 2 ** -8 + 1e-3).all(), (label, best - chosen)

@@ -1,0 +1,83 @@
+"""Few-row bf16 linears through ``specc::small_m_linear`` (kernels/small_m_gemv.py).
+
+In a flat FX graph (:func:`specc.passes.signature.export_flat`), every
+``aten.linear.default(x, W[, b])`` whose input and weight are bf16 and whose input has a
+static row count ``M = prod(x.shape[:-1]) <= max_rows`` becomes
+``specc.small_m_linear.default(x, W[, b])``: the same ``[..., N]`` bf16 result (fp32
+accumulation, one rounding), computed by a kernel that streams the plain ``[N, K]`` weight
+once (AMX tiles straight from the weight's rows; no packed copy), where oneDNN's bf16
+linear pays ~30 us a call and, in the profile that started issue #8, ran below the
+memory bandwidth. Linears with a symbolic row count (the prefill chunk), more rows or
+another dtype are left alone (in a bf16 program Inductor's freezing then packs them for
+oneDNN, :mod:`specc.passes.packed_weights`).
+
+The op is an extern call in the compiled program: AOTInductor calls it by name through
+its proxy executor, so a process that loads such a package must have imported
+:mod:`specc.kernels.small_m_gemv` first (it defines the op; the C++ kernel is built or
+loaded on the first call).
+
+Invariants: placeholders, outputs and in-place writes untouched (the graph re-exports
+with the same calling convention); each weight stays one ``get_attr`` of its original
+layout; new nodes get ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+import specc.kernels.small_m_gemv as gemv
+from specc.passes.graph_attrs import fake_val, set_meta
+
+__all__ = ["DEFAULT_MAX_ROWS", "small_m_gemvs"]
+
+#: Rows rewritten by default: a chain verify of up to 15 drafts at batch 1.
+DEFAULT_MAX_ROWS = gemv.MAX_ROWS
+_LINEAR = torch.ops.aten.linear.default
+_OP = torch.ops.specc.small_m_linear.default
+
+
+def _rows(x: fx.Node) -> int | None:
+    val = x.meta.get("val")
+    if val is None or val.dim() < 1 or not all(isinstance(s, int) for s in val.shape):
+        return None
+    return math.prod(val.shape[:-1])
+
+
+def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    """Rewrite every bf16 ``aten.linear`` over at most ``max_rows`` static rows into
+    ``specc::small_m_linear`` (module docstring). Returns how many were rewritten.
+
+    Args:
+        gm: a flat graph whose nodes carry ``meta["val"]`` (torch.export output).
+        max_rows: the largest M rewritten, ``1 <= max_rows <= MAX_ROWS`` of the kernel.
+
+    Raises:
+        ValueError: ``max_rows`` out of range.
+    """
+    if not 1 <= max_rows <= gemv.MAX_ROWS:
+        raise ValueError(f"max_rows must be in 1..{gemv.MAX_ROWS}, got {max_rows}")
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _LINEAR:
+            continue
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        vals = [a.meta.get("val") for a in (x, w) + ((bias,) if bias is not None else ())]
+        if any(v is None or v.dtype != torch.bfloat16 for v in vals):
+            continue
+        m = _rows(x)
+        if m is None or not 1 <= m <= max_rows:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(_OP, (x, w, bias))
+            set_meta(new, fake_val(_OP, x, w, bias), like=node)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        count += 1
+    graph.lint()
+    gm.recompile()
+    return count

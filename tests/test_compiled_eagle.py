@@ -210,6 +210,7 @@ def test_another_head_is_refused(artifact, head_dir, tiny_llama_dir):
 
 
 # ------------------------------------------------------------------------------ EAGLE-3
+@pytest.mark.slow  # a second artifact (~2 min); EAGLE-3 shares EagleStepProgram with EAGLE, tested above
 def test_eagle3_compiled_equals_eager(tiny_llama_dir, tiny_eagle_heads, tmp_path, pool):  # noqa: F811
     """The same programs with an EAGLE-3 head (three fused target layers, its own reduced
     vocabulary): greedy output and acceptance counts equal the eager EAGLE-3 session's."""

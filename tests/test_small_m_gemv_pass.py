@@ -116,6 +116,7 @@ def test_tiny_bf16_verify_program_matches():
         _bf16_close(a, b)
 
 
+@pytest.mark.slow  # ~4.5 min on 2 cores; the gemv lowering is opt-in (not what specc compile uses)
 def test_bf16_artifact_with_gemv_is_lossless(tiny_qwen2_dir, tmp_path, monkeypatch):
     """A bf16 artifact built with ``linear_passes="gemv"`` (decode and spec_step call the
     op, prefill keeps oneDNN-packed linears): every greedy token, speculative or not, is

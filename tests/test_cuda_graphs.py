@@ -110,7 +110,7 @@ MAX_MODEL_LEN = 300  # kv buckets 256, 300: the test's longest request crosses 2
 def artifact(tiny_llama_dir, tmp_path_factory):
     from specc.compiler import compile_artifact
 
-    cfg = dict(target=str(tiny_llama_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=2, batch_buckets=[1, 2],
+    cfg = dict(target=str(tiny_llama_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=2, batch_buckets=[2],
                speculative_config=drafter_spec("ngram", K))
     return compile_artifact(cfg, tmp_path_factory.mktemp("art") / "build", progress=False)
 

@@ -143,7 +143,7 @@ def test_cli_end_to_end(files, tmp_path, capsys):
     out = tmp_path / "cli"
     argv = ["train", "--target", str(files / "model.yaml"), "--out", str(out), "--prompts",
             str(files / "prompts.jsonl"), "--num-prompts", "3", "--max-tokens", "6", "--batch-size", "2",
-            "--no-progress"]
+            "--epochs", "2", "--no-progress"]
     assert main(argv + ["--max-steps", "2"]) == 0
     assert "after 2/4 steps" in capsys.readouterr().out
     assert (out / "config.json").is_file() and (out / "loss.png").is_file()

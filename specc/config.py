@@ -100,8 +100,8 @@ _METHOD_FIELDS: dict[str, frozenset[str]] = {
         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
         "suffix_decoding_propose_tree",
     }),
-    "eagle": frozenset({"model"}),
-    "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids"}),
+    "eagle": frozenset({"model", "speculative_token_tree"}),
+    "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids", "speculative_token_tree"}),
 }
 # specc's own switches (vLLM has none) that make a host drafter propose token trees,
 # verified on the eager path only
@@ -146,7 +146,11 @@ class SpeculativeConfig(BaseModel):
       ``tree_step`` programs).
     * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
       ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
-      layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).
+      layers the head fuses (default: the head's config.json, else (2, L//2, L-3));
+      ``speculative_token_tree`` (vLLM's name and format: child-rank paths, e.g.
+      ``"[(0,), (1,), (0, 0)]"``) drafts that static token tree each step instead of a
+      chain; ``num_speculative_tokens`` must equal its node count (taken from it when
+      omitted). Eager path only (``enforce_eager: true``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -164,6 +168,7 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     suffix_decoding_propose_tree: bool | None = None
     eagle_aux_hidden_state_layer_ids: list[Int] | None = None
+    speculative_token_tree: str | list[list[Int]] | None = None
 
     @field_validator("eagle_aux_hidden_state_layer_ids")
     @classmethod
@@ -226,6 +231,8 @@ class SpeculativeConfig(BaseModel):
                 f"method '{self.method}' needs 'model': the folder of {_HEAD_METHODS[self.method]} "
                 "(config.json + model.safetensors)",
             )
+        if self.speculative_token_tree is not None:
+            self._check_token_tree()
         elif self.method == "draft_model":
             if (self.model is None) == (self.num_draft_layers is None):
                 both = self.model is not None
@@ -237,13 +244,49 @@ class SpeculativeConfig(BaseModel):
                 )
         return self
 
+    def _check_token_tree(self) -> None:
+        """Parse ``speculative_token_tree`` (vLLM's format) into its breadth-first list of
+        paths, and make ``num_speculative_tokens`` its node count (as vLLM: taken from the
+        tree when omitted, else they must agree). Raises :class:`_FieldError`."""
+        from specc.runtime.token_tree import TokenTreeError, parse_choices
+
+        try:
+            paths = parse_choices(self.speculative_token_tree)  # type: ignore[arg-type]
+        except TokenTreeError as e:
+            raise _FieldError("speculative_token_tree", str(e), self.speculative_token_tree) from None
+        self.speculative_token_tree = [list(p) for p in paths]
+        n = len(paths)
+        if n > MAX_SPECULATIVE_TOKENS:
+            raise _FieldError("speculative_token_tree",
+                              f"has {n} nodes; at most {MAX_SPECULATIVE_TOKENS} (num_speculative_tokens' limit)")
+        if "num_speculative_tokens" not in self.model_fields_set:
+            self.num_speculative_tokens = n
+        elif self.num_speculative_tokens != n:
+            raise _FieldError(
+                "num_speculative_tokens",
+                f"must equal the number of nodes of speculative_token_tree ({n}); set it to {n} or omit it",
+                self.num_speculative_tokens)
+
+    @property
+    def token_tree(self):
+        """The static :class:`~specc.runtime.token_tree.TokenTree` of
+        ``speculative_token_tree``, or None (chain drafting)."""
+        if self.speculative_token_tree is None:
+            return None
+        from specc.runtime.token_tree import TokenTree
+
+        return TokenTree.from_choices([tuple(p) for p in self.speculative_token_tree])
+
     @property
     def tree_field(self) -> str | None:
         """The name of the set switch that makes this method propose token trees
-        (``ngram_propose_tree``, ``suffix_decoding_propose_tree``), else None."""
+        (``ngram_propose_tree``, ``suffix_decoding_propose_tree``,
+        ``speculative_token_tree``), else None."""
         for name in _TREE_SWITCHES:
             if getattr(self, name):
                 return name
+        if self.speculative_token_tree is not None:
+            return "speculative_token_tree"
         return None
 
     @property

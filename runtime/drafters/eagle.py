@@ -22,6 +22,23 @@ top-k / top-p as the target) with the request's uniforms, and q goes to rejectio
 sampling (Leviathan et al. 2023, Chen et al. 2023), so output is lossless; greedy rows
 take the argmax. EAGLE-3's q is over its draft vocabulary, placed at the target ids
 (zero elsewhere). Papers: Li et al. 2024 (EAGLE), Li et al. 2025 (EAGLE-3).
+
+**Static token trees** (``speculative_config.speculative_token_tree``, vLLM's format,
+:meth:`~specc.runtime.token_tree.TokenTree.from_choices`; EAGLE's tree drafting, Li et
+al. 2024, §4.2): after the catch-up, the head runs once per tree depth over all nodes of
+that depth. Node ``i`` (depth ``d``, parent ``p``) is the pair (head output of ``p``,
+token of ``i``) at RoPE position ``n - 1 + d`` and *cache* position ``n - 1 + i`` (one
+slot per node, as the target's tree verify): it attends to the committed head prefix
+``[0, n)`` and to its ancestors' and its own entries, nothing else (a tree mask), so stale
+entries at or beyond ``n`` are never read; the next catch-up overwrites them with true
+pairs. The children of a node are its ``r`` best tokens under the head's *processed*
+distribution (greedy rows: the raw logits, rank 0 the argmax, as the chain's draft): a
+deterministic candidate set, so the proposal carries no ``draft_probs`` and the tree
+sampler's recursive rejection with one-hot q keeps sampled rows lossless (each candidate
+is a fixed token, SpecInfer §4.2); the drafter's uniforms go unused. After the verify the
+engine hands over the target states of the accepted path only, at the sequence positions
+the path takes (:meth:`specc.runtime.engine.Engine._verify_tree`), so the next catch-up
+runs over exactly the pairs a chain would have.
 """
 
 from __future__ import annotations
@@ -32,7 +49,8 @@ from specc.models.eagle import EagleHeadBase
 from specc.models.kv_cache import KVCache
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
 from specc.runtime.request import Request
-from specc.runtime.sampling import sample_draft
+from specc.runtime.sampling import process_logits, sample_draft
+from specc.runtime.token_tree import TokenTree
 
 __all__ = ["EagleProposer", "EagleState"]
 
@@ -95,17 +113,26 @@ class EagleState:
 
 
 class EagleProposer(Proposer):
-    """Chain drafting with an EAGLE or EAGLE-3 head.
+    """Chain or static-tree drafting with an EAGLE or EAGLE-3 head.
 
     Args:
         head: the loaded head (:func:`specc.models.eagle_checkpoint.load_eagle_head`).
-        num_speculative_tokens: k.
+        num_speculative_tokens: k (with ``tree``: its node count).
         num_slots, max_model_len: as the target's KV cache (the head's cache and feature
             buffer have the same slots and length).
+        tree: a static token tree to draft each step (None: a chain of k).
+
+    Raises:
+        ValueError: ``tree`` with other than ``num_speculative_tokens`` nodes.
     """
 
-    def __init__(self, head: EagleHeadBase, num_speculative_tokens: int, num_slots: int, max_model_len: int):
+    def __init__(self, head: EagleHeadBase, num_speculative_tokens: int, num_slots: int, max_model_len: int,
+                 tree: TokenTree | None = None):
         super().__init__(num_speculative_tokens)
+        if tree is not None and tree.num_drafts != num_speculative_tokens:
+            raise ValueError(f"a token tree of {tree.num_drafts} nodes for num_speculative_tokens = "
+                             f"{num_speculative_tokens}: they must be equal")
+        self.tree = tree
         self.head = head
         self.hidden_layers = head.hidden_layers
         self.state = EagleState(head.make_cache(num_slots, max_model_len), head.config.hidden_size)
@@ -148,6 +175,8 @@ class EagleProposer(Proposer):
     # -- drafting ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms: torch.Tensor) -> Proposal:
+        if self.tree is not None:
+            return self._propose_tree(batch, max_drafts)
         B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
         trash, limit = self.cache.trash_pos, self.cache.max_model_len
         temperature, top_k, top_p, greedy = (x.to(dev) for x in (batch.temperature, batch.top_k, batch.top_p,
@@ -176,3 +205,70 @@ class EagleProposer(Proposer):
         any_sampled = not bool(batch.is_greedy.all())
         return Proposal(torch.stack(drafts, dim=1).cpu(), num,
                         torch.stack(probs, dim=1).cpu() if any_sampled else None)
+
+    def _propose_tree(self, batch: StepBatch, max_drafts: list[int]) -> Proposal:
+        """One static tree per row (module docstring): ``draft_token_ids`` ``[B, N]``,
+        ``parents`` ``[B, N]`` (the tree's, every row), ``draft_probs`` None."""
+        tree = self.tree
+        assert tree is not None
+        B, N, dev = batch.size, tree.num_drafts, self.features.device
+        trash, limit = self.cache.trash_pos, self.cache.max_model_len
+        rows = torch.arange(B, device=dev)
+        ids, pos, last = (x.to(dev) for x in self.state.catch_up_pairs(batch.requests))
+        cache = self.cache.rows(B)
+        kv_len = int(torch.where(pos == trash, 0, pos).max()) + 1
+        h_root = self.head(ids, self.features[rows[:, None], pos], pos, cache, kv_len=kv_len)[rows, last]
+        outs = h_root.new_zeros(B, N + 1, h_root.shape[-1])                 # head output per node
+        outs[:, 0] = h_root
+        tokens = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
+        n = torch.tensor([r.num_computed for r in batch.requests], device=dev)  # [B]
+        depths, parents = tree.depths, (0,) + tree.parents                 # per node (root: itself)
+        rank = [0] * (N + 1)
+        for kids in tree.children:
+            for r, c in enumerate(kids):
+                rank[c] = r
+        ancestors = tree.ancestor_mask().to(dev)                           # [N+1, N+1]
+        for d in range(1, max(depths) + 1):
+            level = [i for i in range(1, N + 1) if depths[i] == d]
+            # children of depth d-1: each parent's best len(children) tokens
+            heads_of = sorted({parents[i] for i in level})
+            top = self._top_tokens(outs[:, heads_of], batch, max(len(tree.children[p]) for p in heads_of))
+            col = {p: j for j, p in enumerate(heads_of)}
+            for i in level:
+                tokens[:, i] = top[:, col[parents[i]], rank[i]]
+            if not any(tree.children[i] for i in level):
+                break  # the deepest level: its outputs would feed no child
+            node = torch.tensor(level, device=dev)
+            rope = n[:, None] - 1 + d + 0 * node[None]                    # [B, m]
+            slot = n[:, None] - 1 + node[None]
+            rope = torch.where(rope < limit, rope, torch.full_like(rope, trash))
+            slot = torch.where(slot < limit, slot, torch.full_like(slot, trash))
+            kv_len = min(int(n.max()) + max(level), self.cache.max_len)
+            key = torch.arange(kv_len, device=dev)
+            rel = key[None] - (n[:, None] - 1)                               # [B, kv_len]: node at the key
+            own = ancestors[node][None].expand(B, -1, -1).gather(
+                2, rel.clamp(0, N)[:, None, :].expand(B, len(level), kv_len))  # [B, m, kv_len]
+            mask = (key[None, None] < n[:, None, None]) | (own & ((rel >= 1) & (rel <= N))[:, None, :])
+            feats = outs[:, [parents[i] for i in level]]
+            outs[:, level] = self.head(tokens[:, level], feats, rope, cache, kv_len=kv_len, attn_mask=mask,
+                                       cache_positions=slot)
+        num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=N)
+        return Proposal(tokens[:, 1:].cpu(), num, None, torch.tensor([tree.parents], dtype=torch.long).repeat(B, 1))
+
+    def _top_tokens(self, h: torch.Tensor, batch: StepBatch, r: int) -> torch.Tensor:
+        """``h`` ``[B, P, H]`` head outputs -> ``[B, P, r]`` int64: each one's ``r`` best
+        tokens, distinct: by the raw logits for greedy rows (rank 0 the argmax, the chain
+        draft), by the processed logits (the request's temperature / top-k / top-p) for
+        sampled rows. Tokens the processors remove can fill the last ranks when fewer
+        than ``r`` remain; the verifier rejects them (target probability 0)."""
+        b, p, _ = h.shape
+        logits = self.head.compute_logits(h)                                 # [B, P, V] float32
+        dev = logits.device
+        flat = logits.reshape(b * p, -1)
+        rep = (lambda x: x.to(dev).repeat_interleave(p))
+        processed = process_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))
+        greedy = rep(batch.is_greedy)[:, None]
+        scores = torch.where(greedy, flat, processed)
+        best = torch.where(greedy[:, 0], flat.argmax(-1), processed.argmax(-1))
+        scores = scores.scatter(1, best[:, None], float("inf"))              # rank 0 = the argmax
+        return scores.topk(r, dim=-1).indices.view(b, p, r)

@@ -23,7 +23,8 @@ step 3 then feeds all nodes under the tree attention mask with depth positions
 (:func:`specc.passes.tree_mask.tree_attention_inputs`), step 4 is
 :func:`specc.kernels.tree_rejection_sampler.tree_rejection_sample` (one accepted path),
 and the path's K/V is moved after the prefix (:mod:`specc.passes.kv_compaction`) before
-the next step. Chain proposals (``parents`` None) take the chain path unchanged.
+the next step; a proposer with ``hidden_layers`` (EAGLE) receives the target states of
+the accepted path only, at the path's sequence positions. Chain proposals (``parents`` None) take the chain path unchanged.
 
 Non-speculative decoding is the same step with no drafts.
 """

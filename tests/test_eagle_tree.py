@@ -85,6 +85,18 @@ def test_greedy_equals_non_speculative(tiny_llama_dir, heads, reference, name, t
         assert any(set(p) - chain for p in paths), paths
 
 
+def test_context_limit(tiny_llama_dir, heads):
+    """Requests run into max_model_len: nodes whose head or target slot would pass the
+    limit are capped (the first nodes of a breadth-first tree are a tree)."""
+    plain = make_session(tiny_llama_dir, max_model_len=40)
+    s = make_session(tiny_llama_dir, _spec(heads, "echo", DEEP_WIDE), max_model_len=40)
+    params = [greedy(64, ignore_eos=True)] * 3
+    ref = [o.token_ids for o in plain.generate(PROMPTS[:3], params)]
+    outs = s.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.finish_reason == "length" for o in outs)
+
+
 def _path_logits(target, head, ids: list[int], path_tokens: list[int]) -> torch.Tensor:
     """The head's logits after the committed ``ids`` and then the chain ``path_tokens``,
     from nothing (target forward, every true pair, then chain steps)."""

@@ -206,18 +206,54 @@ class EagleProposer(Proposer):
         return Proposal(torch.stack(drafts, dim=1).cpu(), num,
                         torch.stack(probs, dim=1).cpu() if any_sampled else None)
 
+    def _catch_up(self, batch: StepBatch) -> torch.Tensor:
+        """The catch-up forward of a tree step: the head's output at each row's last
+        verified position ``n - 1`` ``[B, H]`` (it scores the root's children)."""
+        dev, trash = self.features.device, self.cache.trash_pos
+        rows = torch.arange(batch.size, device=dev)
+        ids, pos, last = (x.to(dev) for x in self.state.catch_up_pairs(batch.requests))
+        kv_len = int(torch.where(pos == trash, 0, pos).max()) + 1
+        out = self.head(ids, self.features[rows[:, None], pos], pos, self.cache.rows(batch.size), kv_len=kv_len)
+        return out[rows, last]
+
+    def _tree_forward(self, n: torch.Tensor, depth: int, ids: torch.Tensor, feats: torch.Tensor,
+                      slot: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One head forward over ``m`` tree nodes per row, all at ``depth``.
+
+        Args:
+            n: ``[B]`` int64, each row's verified tokens (the committed head prefix is
+                ``[0, n)``; the root pair sits at ``n - 1``).
+            ids, feats: ``[B, m]`` the nodes' tokens, ``[B, m, H]`` their parents' outputs.
+            slot: ``[B, m]`` int64 >= 1, each node's head-cache slot relative to ``n - 1``.
+            visible: ``[B, m, S + 1]`` bool: node ``i`` sees relative slot ``s`` (its
+                ancestors' and its own; ``s = 0`` is the root, always visible).
+
+        Returns:
+            ``[B, m, H]`` the nodes' head outputs. Slots at or past the cache's limit go to
+            the trash position (such nodes lie beyond every row's draft cap).
+        """
+        b, m = ids.shape
+        trash, limit = self.cache.trash_pos, self.cache.max_model_len
+        rope = (n[:, None] - 1 + depth).expand(b, m)
+        where = n[:, None] - 1 + slot
+        rope = torch.where(rope < limit, rope, torch.full_like(rope, trash))
+        where = torch.where(where < limit, where, torch.full_like(where, trash))
+        s_max = visible.shape[-1] - 1
+        kv_len = min(int(n.max()) + int(slot.max()), self.cache.max_len)
+        key = torch.arange(kv_len, device=ids.device)
+        rel = key[None] - (n[:, None] - 1)                                   # [B, kv_len]: slot at the key
+        own = visible.gather(2, rel.clamp(0, s_max)[:, None, :].expand(b, m, kv_len))
+        mask = (key[None, None] < n[:, None, None]) | (own & ((rel >= 1) & (rel <= s_max))[:, None, :])
+        return self.head(ids, feats, rope, self.cache.rows(b), kv_len=kv_len, attn_mask=mask,
+                         cache_positions=where)
+
     def _propose_tree(self, batch: StepBatch, max_drafts: list[int]) -> Proposal:
         """One static tree per row (module docstring): ``draft_token_ids`` ``[B, N]``,
         ``parents`` ``[B, N]`` (the tree's, every row), ``draft_probs`` None."""
         tree = self.tree
         assert tree is not None
         B, N, dev = batch.size, tree.num_drafts, self.features.device
-        trash, limit = self.cache.trash_pos, self.cache.max_model_len
-        rows = torch.arange(B, device=dev)
-        ids, pos, last = (x.to(dev) for x in self.state.catch_up_pairs(batch.requests))
-        cache = self.cache.rows(B)
-        kv_len = int(torch.where(pos == trash, 0, pos).max()) + 1
-        h_root = self.head(ids, self.features[rows[:, None], pos], pos, cache, kv_len=kv_len)[rows, last]
+        h_root = self._catch_up(batch)
         outs = h_root.new_zeros(B, N + 1, h_root.shape[-1])                 # head output per node
         outs[:, 0] = h_root
         tokens = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
@@ -239,19 +275,8 @@ class EagleProposer(Proposer):
             if not any(tree.children[i] for i in level):
                 break  # the deepest level: its outputs would feed no child
             node = torch.tensor(level, device=dev)
-            rope = n[:, None] - 1 + d + 0 * node[None]                    # [B, m]
-            slot = n[:, None] - 1 + node[None]
-            rope = torch.where(rope < limit, rope, torch.full_like(rope, trash))
-            slot = torch.where(slot < limit, slot, torch.full_like(slot, trash))
-            kv_len = min(int(n.max()) + max(level), self.cache.max_len)
-            key = torch.arange(kv_len, device=dev)
-            rel = key[None] - (n[:, None] - 1)                               # [B, kv_len]: node at the key
-            own = ancestors[node][None].expand(B, -1, -1).gather(
-                2, rel.clamp(0, N)[:, None, :].expand(B, len(level), kv_len))  # [B, m, kv_len]
-            mask = (key[None, None] < n[:, None, None]) | (own & ((rel >= 1) & (rel <= N))[:, None, :])
-            feats = outs[:, [parents[i] for i in level]]
-            outs[:, level] = self.head(tokens[:, level], feats, rope, cache, kv_len=kv_len, attn_mask=mask,
-                                       cache_positions=slot)
+            outs[:, level] = self._tree_forward(n, d, tokens[:, level], outs[:, [parents[i] for i in level]],
+                                                node[None].expand(B, -1), ancestors[node][None].expand(B, -1, -1))
         num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=N)
         return Proposal(tokens[:, 1:].cpu(), num, None, torch.tensor([tree.parents], dtype=torch.long).repeat(B, 1))
 

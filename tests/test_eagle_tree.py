@@ -1,8 +1,8 @@
 """EAGLE / EAGLE-3 heads drafting static token trees (``speculative_token_tree``, eager path):
 greedy output equals non-speculative greedy for several trees and batches; a chain-shaped
 tree drafts, accepts and emits exactly as the chain proposer; every node's token equals a
-from-scratch recomputation along its path (the head's tree mask);
-config and compile-path errors. Seeded sampled trees are reproducible:
+from-scratch recomputation along its path (the head's tree mask); the same for EAGLE-2's
+dynamic trees (``eagle_dynamic_tree``); config and compile-path errors. Seeded sampled trees are reproducible:
 ``test_eagle_drafting.py``; the sampled distribution check is in
 ``test_case_c06_sampling_distribution.py`` (``eagle_tree``)."""
 
@@ -97,6 +97,42 @@ def test_context_limit(tiny_llama_dir, heads):
     assert all(o.finish_reason == "length" for o in outs)
 
 
+DYNAMIC = dict(depth=3, topk=2)
+
+
+@pytest.mark.parametrize("name,max_num_seqs", [("echo", 2), ("eagle3", 4)])
+def test_dynamic_tree_greedy_equals_non_speculative(tiny_llama_dir, heads, reference, name, max_num_seqs):
+    """EAGLE-2's dynamic tree (``eagle_dynamic_tree``): per-row trees, same output; every
+    node's token is among its parent's ``topk`` best by the head's logits recomputed from
+    nothing along the parent's path."""
+    spec = drafter_spec("eagle3" if name == "eagle3" else "eagle", 5, heads[name], eagle_dynamic_tree=DYNAMIC)
+    s = make_session(tiny_llama_dir, spec, max_num_seqs=max_num_seqs)
+    prop, checked = s.proposer, []
+    original = prop.propose
+
+    def propose(batch, max_drafts, uniforms):
+        p = original(batch, max_drafts, uniforms)
+        if name == "echo" and len(checked) < 12:
+            for b, r in enumerate(batch.requests):
+                t = TokenTree(tuple(p.parents[b].tolist()))
+                toks = [0] + p.draft_token_ids[b].tolist()
+                assert max(t.depths) <= DYNAMIC["depth"]
+                for node in range(1, t.num_drafts + 1):
+                    path = [toks[i] for i in t.path(t.parents[node - 1])]
+                    top = _path_logits(s.target.model, prop.head, r.all_token_ids, path).topk(DYNAMIC["topk"])
+                    assert toks[node] in top.indices.tolist(), (r.request_id, node)
+                checked.append(r.request_id)
+        return p
+
+    with patched(prop, "propose", propose), torch.inference_mode():
+        outs = s.generate(PROMPTS, [greedy(20 - i) for i in range(len(PROMPTS))])
+    for i, (o, ref) in enumerate(zip(outs, reference)):
+        assert o.token_ids == ref[: 20 - i], (name, i)
+    assert s.metrics.num_draft_tokens > 0
+    if name == "echo":
+        assert checked and s.metrics.num_accepted_tokens > 0
+
+
 def _path_logits(target, head, ids: list[int], path_tokens: list[int]) -> torch.Tensor:
     """The head's logits after the committed ``ids`` and then the chain ``path_tokens``,
     from nothing (target forward, every true pair, then chain steps)."""
@@ -153,6 +189,12 @@ def test_config_rules():
         spec(speculative_token_tree="[(0,")
     with pytest.raises(ConfigError, match=r"speculative_config.speculative_token_tree: has 17 nodes; at most 16"):
         spec(speculative_token_tree=str([(i,) for i in range(17)]))
+    with pytest.raises(ConfigError, match=r"speculative_config.num_speculative_tokens = 9: the dynamic tree "
+                                          r"\(depth 2, topk 2\) proposes 6 candidates, fewer than the 9"):
+        spec(eagle_dynamic_tree=dict(depth=2, topk=2), num_speculative_tokens=9)
+    with pytest.raises(ConfigError, match=r"eagle_dynamic_tree.*not both"):
+        spec(eagle_dynamic_tree=dict(depth=2, topk=2), speculative_token_tree="[(0,)]")
+    assert spec(eagle_dynamic_tree=dict(depth=2, topk=2)).speculative_config.tree_field == "eagle_dynamic_tree"
     with pytest.raises(ConfigError, match=r"speculative_token_tree = .*not allowed with method 'ngram'"):
         load_config(dict(target="t", speculative_config=dict(method="ngram", speculative_token_tree="[(0,)]")))
 
@@ -161,11 +203,11 @@ def test_config_rules():
 def test_compiled_path_refuses_trees(method):
     from specc.compiler import check_compilable
 
-    cfg = load_config(dict(target="t", speculative_config=dict(method=method, model="h",
-                                                              speculative_token_tree="[(0,), (1,)]")))
-    with pytest.raises(ConfigError, match=r"speculative_token_tree: method .* drafts token trees on the eager "
-                                          r"path only .*enforce_eager: true"):
-        check_compilable(cfg)
+    for field, value in (("speculative_token_tree", "[(0,), (1,)]"), ("eagle_dynamic_tree", DYNAMIC)):
+        cfg = load_config(dict(target="t", speculative_config={"method": method, "model": "h", field: value}))
+        with pytest.raises(ConfigError, match=rf"speculative_config.{field}: method .* drafts token trees on the "
+                                              r"eager path only .*enforce_eager: true"):
+            check_compilable(cfg)
 
 
 def test_tree_size_must_match_k(tiny_llama_dir, heads, base):

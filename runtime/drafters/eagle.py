@@ -121,18 +121,29 @@ class EagleProposer(Proposer):
         num_slots, max_model_len: as the target's KV cache (the head's cache and feature
             buffer have the same slots and length).
         tree: a static token tree to draft each step (None: a chain of k).
+        dynamic_tree: ``(depth, topk)``: EAGLE-2's dynamic tree of k nodes instead
+            (:meth:`_propose_dynamic`).
 
     Raises:
-        ValueError: ``tree`` with other than ``num_speculative_tokens`` nodes.
+        ValueError: ``tree`` with other than ``num_speculative_tokens`` nodes; both trees;
+            a dynamic tree with fewer candidates than k.
     """
 
     def __init__(self, head: EagleHeadBase, num_speculative_tokens: int, num_slots: int, max_model_len: int,
-                 tree: TokenTree | None = None):
+                 tree: TokenTree | None = None, dynamic_tree: tuple[int, int] | None = None):
         super().__init__(num_speculative_tokens)
         if tree is not None and tree.num_drafts != num_speculative_tokens:
             raise ValueError(f"a token tree of {tree.num_drafts} nodes for num_speculative_tokens = "
                              f"{num_speculative_tokens}: they must be equal")
+        if tree is not None and dynamic_tree is not None:
+            raise ValueError("a static tree and a dynamic tree: give one")
+        if dynamic_tree is not None:
+            depth, topk = dynamic_tree
+            if depth < 1 or topk < 1 or topk + (depth - 1) * topk * topk < num_speculative_tokens:
+                raise ValueError(f"dynamic tree depth {depth}, topk {topk}: its {topk + (depth - 1) * topk ** 2} "
+                                 f"candidates cannot hold {num_speculative_tokens} nodes")
         self.tree = tree
+        self.dynamic_tree = dynamic_tree
         self.head = head
         self.hidden_layers = head.hidden_layers
         self.state = EagleState(head.make_cache(num_slots, max_model_len), head.config.hidden_size)
@@ -177,6 +188,8 @@ class EagleProposer(Proposer):
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms: torch.Tensor) -> Proposal:
         if self.tree is not None:
             return self._propose_tree(batch, max_drafts)
+        if self.dynamic_tree is not None:
+            return self._propose_dynamic(batch, max_drafts)
         B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
         trash, limit = self.cache.trash_pos, self.cache.max_model_len
         temperature, top_k, top_p, greedy = (x.to(dev) for x in (batch.temperature, batch.top_k, batch.top_p,
@@ -280,6 +293,79 @@ class EagleProposer(Proposer):
         num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=N)
         return Proposal(tokens[:, 1:].cpu(), num, None, torch.tensor([tree.parents], dtype=torch.long).repeat(B, 1))
 
+    def _propose_dynamic(self, batch: StepBatch, max_drafts: list[int]) -> Proposal:
+        """EAGLE-2's dynamic draft tree (Li et al. 2024, "EAGLE-2: Faster Inference of
+        Language Models with Dynamic Draft Trees", §4), per row.
+
+        Expansion: the root's ``topk`` best tokens (by the head's log-probability) are the
+        depth-1 candidates and the first frontier. At each further depth the head runs
+        once over the frontier (:meth:`_tree_forward`), each frontier node proposes its
+        ``topk`` best children, valued by the *cumulative* log-probability along the path
+        (the head's estimate of the path's acceptance), and the ``topk`` best of those
+        ``topk**2`` children become the next frontier; ``depth`` depths in all. Rerank:
+        the ``k`` best of all candidates by value form the tree (ties: the shallower,
+        earlier one first, so a parent, whose value is never lower, precedes its child
+        and the kept set is a tree), in candidate order (parents first). Values use the
+        head's processed distribution for sampled rows and its raw softmax for greedy
+        rows; candidates are fixed tokens, so ``draft_probs`` is None (lossless under
+        the tree sampler's one-hot recursive rejection).
+
+        Returns:
+            a tree :class:`Proposal`: ``[B, k]`` tokens and per-row ``parents``.
+        """
+        assert self.dynamic_tree is not None
+        depth, e = self.dynamic_tree
+        B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
+        n = torch.tensor([r.num_computed for r in batch.requests], device=dev)
+        h = self._catch_up(batch)[:, None]                                   # [B, 1, H] the root
+        f_score, f_tok = self._log_probs(h, batch).topk(e, dim=-1)          # [B, 1, e]
+        f_score, f_tok = f_score[:, 0], f_tok[:, 0]                          # frontier: [B, e]
+        f_id = torch.arange(e, device=dev).expand(B, e)                      # candidate ids
+        f_feat = h.expand(B, e, h.shape[-1])                                 # parents' outputs
+        tok, score, parent = [f_tok], [f_score], [torch.full((B, e), -1, dtype=torch.long, device=dev)]
+        s_max = (depth - 1) * e
+        visible = torch.zeros(B, e, s_max + 1, dtype=torch.bool, device=dev)
+        count = e
+        for d in range(1, depth):
+            slot = (1 + (d - 1) * e + torch.arange(e, device=dev)).expand(B, e)
+            visible = visible.scatter(2, slot[:, :, None], True)             # a node sees itself
+            out = self._tree_forward(n, d, f_tok, f_feat, slot, visible)    # [B, e, H]
+            c_score, c_tok = (f_score[:, :, None] + self._log_probs(out, batch)).topk(e, dim=-1)  # [B, e, e]
+            tok.append(c_tok.reshape(B, e * e))
+            score.append(c_score.reshape(B, e * e))
+            parent.append(f_id.repeat_interleave(e, dim=1))
+            f_score, pick = score[-1].topk(e, dim=-1)                        # the next frontier
+            f_tok = tok[-1].gather(1, pick)
+            f_id = count + pick
+            src = pick // e                                                  # its parent, in the frontier
+            f_feat = out.gather(1, src[:, :, None].expand(B, e, out.shape[-1]))
+            visible = visible.gather(1, src[:, :, None].expand(B, e, s_max + 1))
+            count += e * e
+        tok, score, parent = (torch.cat(x, dim=1).cpu() for x in (tok, score, parent))
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+        ids = tok.gather(1, order)
+        parents = torch.zeros(B, k, dtype=torch.long)
+        for b in range(B):
+            node = {c: i + 1 for i, c in enumerate(order[b].tolist())}       # candidate -> node number
+            parents[b] = torch.tensor([node.get(p, 0) for p in parent[b, order[b]].tolist()])
+        num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=k)
+        return Proposal(ids, num, None, parents)
+
+    def _log_probs(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``h`` ``[B, P, H]`` -> ``[B, P, V]`` float32 log-probabilities of the head: its
+        processed distribution for sampled rows, its raw softmax for greedy rows."""
+        return torch.log_softmax(self._scores(h, batch), dim=-1)
+
+    def _scores(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``[B, P, H]`` -> ``[B, P, V]``: raw logits for greedy rows, processed logits
+        (temperature / top-k / top-p) for sampled rows."""
+        b, p, _ = h.shape
+        flat = self.head.compute_logits(h).reshape(b * p, -1)
+        dev = flat.device
+        rep = (lambda x: x.to(dev).repeat_interleave(p))
+        processed = process_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))
+        return torch.where(rep(batch.is_greedy)[:, None], flat, processed).view(b, p, -1)
+
     def _top_tokens(self, h: torch.Tensor, batch: StepBatch, r: int) -> torch.Tensor:
         """``h`` ``[B, P, H]`` head outputs -> ``[B, P, r]`` int64: each one's ``r`` best
         tokens, distinct: by the raw logits for greedy rows (rank 0 the argmax, the chain
@@ -287,13 +373,6 @@ class EagleProposer(Proposer):
         sampled rows. Tokens the processors remove can fill the last ranks when fewer
         than ``r`` remain; the verifier rejects them (target probability 0)."""
         b, p, _ = h.shape
-        logits = self.head.compute_logits(h)                                 # [B, P, V] float32
-        dev = logits.device
-        flat = logits.reshape(b * p, -1)
-        rep = (lambda x: x.to(dev).repeat_interleave(p))
-        processed = process_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))
-        greedy = rep(batch.is_greedy)[:, None]
-        scores = torch.where(greedy, flat, processed)
-        best = torch.where(greedy[:, 0], flat.argmax(-1), processed.argmax(-1))
-        scores = scores.scatter(1, best[:, None], float("inf"))              # rank 0 = the argmax
+        scores = self._scores(h, batch).reshape(b * p, -1)
+        scores = scores.scatter(1, scores.argmax(-1, keepdim=True), float("inf"))  # rank 0 = the argmax
         return scores.topk(r, dim=-1).indices.view(b, p, r)

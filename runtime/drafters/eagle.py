@@ -38,7 +38,9 @@ sampler's recursive rejection with one-hot q keeps sampled rows lossless (each c
 is a fixed token, SpecInfer §4.2); the drafter's uniforms go unused. After the verify the
 engine hands over the target states of the accepted path only, at the sequence positions
 the path takes (:meth:`specc.runtime.engine.Engine._verify_tree`), so the next catch-up
-runs over exactly the pairs a chain would have.
+runs over exactly the pairs a chain would have. **Dynamic trees**
+(``eagle_dynamic_tree``, EAGLE-2): :meth:`EagleProposer._propose_dynamic`, the same head
+tree forward over a per-row tree chosen by cumulative head probability.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class EagleState:
 
 
 class EagleProposer(Proposer):
-    """Chain or static-tree drafting with an EAGLE or EAGLE-3 head.
+    """Chain, static-tree or EAGLE-2 dynamic-tree drafting with an EAGLE or EAGLE-3 head.
 
     Args:
         head: the loaded head (:func:`specc.models.eagle_checkpoint.load_eagle_head`).

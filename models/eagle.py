@@ -111,6 +111,7 @@ class EagleHeadBase(nn.Module):
         *,
         kv_len: int | None = None,
         attn_mask: torch.Tensor | None = None,
+        cache_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the head over ``(feature, token)`` pairs; write its K/V at ``positions``.
 
@@ -122,6 +123,9 @@ class EagleHeadBase(nn.Module):
             kv_cache: the head's cache (``make_cache``), exactly B slots.
             kv_len: attend over cache positions ``[0, kv_len)`` (None = whole cache).
             attn_mask: optional ``[B, T, kv_len]`` bool (tree attention); default causal.
+            cache_positions: optional ``[B, T]`` int64 K/V write positions when they
+                differ from ``positions`` (tree drafting: siblings share a RoPE position
+                but not a cache slot); default ``positions``.
 
         Returns:
             ``[B, T, hidden]`` head outputs (model dtype): the next features; feed
@@ -140,7 +144,7 @@ class EagleHeadBase(nn.Module):
         kv_len = kv_cache.max_len if kv_len is None else kv_len
         emb = self.embed(input_ids).to(features.dtype)
         cos, sin = self.rotary_emb(positions, features.dtype)
-        write_index, mask = attention_inputs(self.config, positions, kv_len, attn_mask)
+        write_index, mask = attention_inputs(self.config, positions, kv_len, attn_mask, cache_positions)
         return self._run_layers(emb, features, cos, sin, write_index, kv_cache, mask, kv_len)
 
 

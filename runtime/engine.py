@@ -23,7 +23,8 @@ step 3 then feeds all nodes under the tree attention mask with depth positions
 (:func:`specc.passes.tree_mask.tree_attention_inputs`), step 4 is
 :func:`specc.kernels.tree_rejection_sampler.tree_rejection_sample` (one accepted path),
 and the path's K/V is moved after the prefix (:mod:`specc.passes.kv_compaction`) before
-the next step. Chain proposals (``parents`` None) take the chain path unchanged.
+the next step; a proposer with ``hidden_layers`` (EAGLE) receives the target states of
+the accepted path only, at the path's sequence positions. Chain proposals (``parents`` None) take the chain path unchanged.
 
 Non-speculative decoding is the same step with no drafts.
 """
@@ -148,12 +149,20 @@ class Engine:
         """One target forward over ``cache`` (slots ``slot0 ..``); returns logits
         ``[B, T, V]`` and hands the proposer the hidden states it lists, if any.
         ``tree``: ``attn_mask`` and ``cache_positions`` of a tree verify."""
+        logits, hidden = self._target_hidden(ids, pos, cache, kv_len, **tree)
+        if hidden is not None:
+            self.proposer.on_target_hidden_states(slot0, pos, hidden)
+        return logits
+
+    def _target_hidden(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, kv_len: int,
+                       **tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward: (logits ``[B, T, V]``, the hidden states the proposer lists
+        ``[B, T, len(hidden_layers), H]``, or None when it lists none), handed to no one."""
         layers = self.proposer.hidden_layers if self.proposer is not None else ()
         out = self.model(ids, pos, cache, kv_len=kv_len, hidden_layers=layers, **tree)
-        if layers:
-            hidden = torch.stack([out.hidden_states[i] for i in layers], dim=2)  # [B, T, n, H]
-            self.proposer.on_target_hidden_states(slot0, pos, hidden)
-        return out.logits
+        if not layers:
+            return out.logits, None
+        return out.logits, torch.stack([out.hidden_states[i] for i in layers], dim=2)
 
     def _step(self, running: list[Request]) -> None:
         B, k = len(running), self.k
@@ -240,24 +249,25 @@ class Engine:
             ``(tokens, accepted, logprobs, paths)``: as :meth:`_verify`, plus per row the
             accepted node indices in path order (root excluded).
 
+        A proposer that lists ``hidden_layers`` (EAGLE) gets the target states of the
+        accepted path only, after accept/reject: entry ``j`` is the state of the path's
+        ``j``-th input (root, then the accepted nodes) at sequence position ``start + j``
+        (trash beyond the path), exactly what a chain verify of that path hands over.
+
         Raises:
             ValueError: a tree with draft probabilities (only one-hot q is verified on
-                trees), or a proposer that needs target hidden states (their positions
-                would be the tree's, not the sequence's).
+                trees).
         """
         if draft_probs is not None:
             raise ValueError("tree proposals must be deterministic (draft_probs None): the tree sampler "
                              "implements recursive rejection for one-hot q only")
-        if self.proposer is not None and self.proposer.hidden_layers:
-            raise ValueError(f"{type(self.proposer).__name__} asks for target hidden states and proposed a "
-                             "tree: hidden states of tree nodes are not handed to proposers")
         B, k, K = len(running), self.k, drafts.shape[1]
         ids, start, kv_len = self._verify_inputs(running, drafts, nd)
         tree = tree_attention_inputs(parents, nd, start, kv_len, self.cache.trash_pos)
         cache = self.cache.rows(B)
         with stage(f"specc.verify_tree[{K + 1}]"):
-            logits = self._target(ids, tree.positions, cache, kv_len, 0,
-                                  attn_mask=tree.mask, cache_positions=tree.cache_positions)
+            logits, hidden = self._target_hidden(ids, tree.positions, cache, kv_len,
+                                                 attn_mask=tree.mask, cache_positions=tree.cache_positions)
         with stage("specc.accept"):
             processed = self._process(logits, batch)
             result = tree_rejection_sample(processed, drafts, parents, nd, batch.is_greedy,
@@ -268,6 +278,11 @@ class Engine:
             compact_accepted_kv((*cache.k, *cache.v), start, nodes, result.num_accepted, self.cache.trash_pos)
             # emitted token j was scored at node nodes[b, j]: logprobs read those rows
             on_path = path_logits(processed, nodes)
+        if hidden is not None:
+            on = nodes >= 0                                                  # [B, K+1]
+            path_pos = torch.where(on, start[:, None] + torch.arange(K + 1), self.cache.trash_pos)
+            path_hidden = hidden[torch.arange(B)[:, None], nodes.clamp(min=0)]  # [B, K+1, n, H]
+            self.proposer.on_target_hidden_states(0, path_pos, path_hidden)
         return tokens, accepted, _EagerLogprobs(on_path, tokens), tree_paths(nodes, accepted)
 
     @staticmethod

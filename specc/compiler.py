@@ -124,6 +124,13 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
     if config.device == "npu":
         raise ConfigError("device = 'npu': the torchair backend is not built yet; set enforce_eager: true",
                           label)
+    if method in EAGLE_METHODS and config.speculative_config.tree_field is not None:
+        raise ConfigError(
+            f"speculative_config.{config.speculative_config.tree_field}: method {method!r} drafts token trees "
+            "on the eager "
+            "path only (no compiled program drafts an EAGLE tree yet); set enforce_eager: true (specc "
+            "generate/bench/profile: --enforce-eager), or drop it for compiled chain "
+            "drafting", label)
     if method in EAGLE_METHODS and config.device == "cuda":
         raise ConfigError(f"speculative_config.method = {method!r} on device 'cuda': the EAGLE programs' "
                           "head state is not captured into CUDA graphs yet; set enforce_eager: true", label)

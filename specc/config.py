@@ -100,8 +100,8 @@ _METHOD_FIELDS: dict[str, frozenset[str]] = {
         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
         "suffix_decoding_propose_tree",
     }),
-    "eagle": frozenset({"model"}),
-    "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids"}),
+    "eagle": frozenset({"model", "speculative_token_tree", "eagle_dynamic_tree"}),
+    "eagle3": frozenset({"model", "eagle_aux_hidden_state_layer_ids", "speculative_token_tree", "eagle_dynamic_tree"}),
 }
 # specc's own switches (vLLM has none) that make a host drafter propose token trees,
 # verified on the eager path only
@@ -128,6 +128,23 @@ SUFFIX_DEFAULTS: dict[str, Any] = {
 }
 
 
+class DynamicTreeConfig(BaseModel):
+    """``speculative_config.eagle_dynamic_tree`` (specc's): EAGLE-2's dynamic draft tree
+    (Li et al. 2024): ``depth`` head steps, each expanding the ``topk`` best frontier
+    nodes by cumulative probability into ``topk`` children each; the best
+    ``num_speculative_tokens`` candidates form the tree."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    depth: Int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS)
+    topk: Int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS)
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates the expansion proposes: ``topk + (depth - 1) * topk**2``."""
+        return self.topk + (self.depth - 1) * self.topk ** 2
+
+
 class SpeculativeConfig(BaseModel):
     """``speculative_config`` (vLLM names).
 
@@ -146,7 +163,13 @@ class SpeculativeConfig(BaseModel):
       ``tree_step`` programs).
     * ``eagle`` / ``eagle3``: a feature-level draft head (``model``: its folder, required);
       ``eagle_aux_hidden_state_layer_ids`` (eagle3, vLLM's name) overrides the target
-      layers the head fuses (default: the head's config.json, else (2, L//2, L-3)).
+      layers the head fuses (default: the head's config.json, else (2, L//2, L-3));
+      ``speculative_token_tree`` (vLLM's name and format: child-rank paths, e.g.
+      ``"[(0,), (1,), (0, 0)]"``) drafts that static token tree each step instead of a
+      chain; ``num_speculative_tokens`` must equal its node count (taken from it when
+      omitted). Eager path only (``enforce_eager: true``). ``eagle_dynamic_tree``
+      (specc's, ``{depth, topk}``) drafts EAGLE-2's dynamic tree of
+      ``num_speculative_tokens`` nodes instead (eager only).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -164,6 +187,8 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     suffix_decoding_propose_tree: bool | None = None
     eagle_aux_hidden_state_layer_ids: list[Int] | None = None
+    speculative_token_tree: str | list[list[Int]] | None = None
+    eagle_dynamic_tree: DynamicTreeConfig | None = None
 
     @field_validator("eagle_aux_hidden_state_layer_ids")
     @classmethod
@@ -226,6 +251,18 @@ class SpeculativeConfig(BaseModel):
                 f"method '{self.method}' needs 'model': the folder of {_HEAD_METHODS[self.method]} "
                 "(config.json + model.safetensors)",
             )
+        if self.speculative_token_tree is not None:
+            if self.eagle_dynamic_tree is not None:
+                raise _FieldError("eagle_dynamic_tree", "set together with speculative_token_tree: a static or a "
+                                  "dynamic tree, not both; drop one of them")
+            self._check_token_tree()
+        if self.eagle_dynamic_tree is not None and self.eagle_dynamic_tree.num_candidates < self.num_speculative_tokens:
+            t = self.eagle_dynamic_tree
+            raise _FieldError(
+                "num_speculative_tokens",
+                f"the dynamic tree (depth {t.depth}, topk {t.topk}) proposes {t.num_candidates} candidates, fewer "
+                f"than the {self.num_speculative_tokens} tree nodes asked for; lower num_speculative_tokens or "
+                "raise depth / topk", self.num_speculative_tokens)
         elif self.method == "draft_model":
             if (self.model is None) == (self.num_draft_layers is None):
                 both = self.model is not None
@@ -237,12 +274,49 @@ class SpeculativeConfig(BaseModel):
                 )
         return self
 
+    def _check_token_tree(self) -> None:
+        """Parse ``speculative_token_tree`` (vLLM's format) into its breadth-first list of
+        paths, and make ``num_speculative_tokens`` its node count (as vLLM: taken from the
+        tree when omitted, else they must agree). Raises :class:`_FieldError`."""
+        from specc.runtime.token_tree import TokenTreeError, parse_choices
+
+        try:
+            paths = parse_choices(self.speculative_token_tree)  # type: ignore[arg-type]
+        except TokenTreeError as e:
+            raise _FieldError("speculative_token_tree", str(e), self.speculative_token_tree) from None
+        self.speculative_token_tree = [list(p) for p in paths]
+        n = len(paths)
+        if n > MAX_SPECULATIVE_TOKENS:
+            raise _FieldError("speculative_token_tree",
+                              f"has {n} nodes; at most {MAX_SPECULATIVE_TOKENS} (num_speculative_tokens' limit)")
+        if "num_speculative_tokens" not in self.model_fields_set:
+            self.num_speculative_tokens = n
+        elif self.num_speculative_tokens != n:
+            raise _FieldError(
+                "num_speculative_tokens",
+                f"must equal the number of nodes of speculative_token_tree ({n}); set it to {n} or omit it",
+                self.num_speculative_tokens)
+
+    @property
+    def token_tree(self):
+        """The static :class:`~specc.runtime.token_tree.TokenTree` of
+        ``speculative_token_tree``, or None (chain drafting)."""
+        if self.speculative_token_tree is None:
+            return None
+        from specc.runtime.token_tree import TokenTree
+
+        return TokenTree.from_choices([tuple(p) for p in self.speculative_token_tree])
+
     @property
     def tree_field(self) -> str | None:
         """The name of the set switch that makes this method propose token trees
-        (``ngram_propose_tree``, ``suffix_decoding_propose_tree``), else None."""
+        (``ngram_propose_tree``, ``suffix_decoding_propose_tree``,
+        ``speculative_token_tree``, ``eagle_dynamic_tree``), else None."""
         for name in _TREE_SWITCHES:
             if getattr(self, name):
+                return name
+        for name in ("speculative_token_tree", "eagle_dynamic_tree"):
+            if getattr(self, name) is not None:
                 return name
         return None
 

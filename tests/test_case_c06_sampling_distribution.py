@@ -5,8 +5,8 @@ that the *runtime path* is lossless: per-request uniforms, the drafters' process
 probabilities q (draft model, early exit, EAGLE heads; EAGLE-3's q over its reduced draft
 vocabulary, mapped to target ids), the n-gram and suffix drafters' one-hot q
 (suffix with its global tree on: drafts from other requests' sampled outputs; suffix
-candidate *trees* and n-gram continuation *trees*, verified by the tree sampler's
-recursive rejection), padded
+candidate *trees*, n-gram continuation *trees*, EAGLE heads' static trees of top-r
+candidates and EAGLE-2 dynamic trees, verified by the tree sampler's recursive rejection), padded
 verify batches and the engine's bookkeeping.
 
 Toy model: a 2-layer random Llama with a 64-token vocabulary (so chi-square cells are
@@ -58,7 +58,7 @@ SETTINGS = {
     "t1.3": dict(temperature=1.3),
 }
 METHODS = ["ngram", "draft_model", "early_exit", "draft_equals_target", "suffix", "eagle", "eagle3", "suffix_tree",
-           "ngram_tree"]
+           "ngram_tree", "eagle_tree", "eagle_dynamic_tree"]
 
 
 def _build_toy(out_dir: Path, tokenizer, seed: int) -> Path:
@@ -99,6 +99,10 @@ def _spec_config(method: str, dirs: tuple[Path, Path], heads: dict[str, Path]) -
     target, other = dirs
     if method in heads:
         return drafter_spec(method, K, heads[method])
+    if method == "eagle_tree":  # a static tree of the head's top-2 candidates (deterministic, one-hot q)
+        return drafter_spec("eagle", K, heads["eagle"], speculative_token_tree="[(0,), (1,), (0, 0), (0, 1)]")
+    if method == "eagle_dynamic_tree":  # EAGLE-2's per-row trees (depth 2, topk 2: the best 4 of 6)
+        return drafter_spec("eagle3", K, heads["eagle3"], eagle_dynamic_tree=dict(depth=2, topk=2))
     if method == "draft_equals_target":
         return drafter_spec("draft_model", K, target)
     if method == "suffix_tree":  # candidate trees: the tree sampler's recursive rejection

@@ -104,9 +104,12 @@ def test_drafts_equal_from_scratch_recomputation(tiny_llama_dir, heads, method):
     assert len(set(checked)) == 4 and len(checked) > 20
 
 
+@pytest.mark.parametrize("tree", [None, "[(0,), (1,), (0, 0)]"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_seeded_sampling_reproducible(tiny_llama_dir, heads, method):
-    s = make_session(tiny_llama_dir, _spec(heads, method, 3))
+def test_seeded_sampling_reproducible(tiny_llama_dir, heads, method, tree):
+    """Chains, and static trees (``speculative_token_tree``: deterministic candidates)."""
+    s = make_session(tiny_llama_dir, _spec(heads, method, 3, **({} if tree is None else
+                                                                 dict(speculative_token_tree=tree))))
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=100 + i)
               for i in range(3)]
     a = [o.token_ids for o in s.generate(PROMPTS[:3], params)]

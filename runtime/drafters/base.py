@@ -86,7 +86,9 @@ class Proposer(ABC):
         Args:
             positions: ``[B, T]`` int64, the position of each input token (padding at the
                 cache's trash position; positions of drafts that end up rejected are
-                included: they lie at or beyond the request's ``num_computed`` afterwards).
+                included: they lie at or beyond the request's ``num_computed`` afterwards;
+                after a *tree* verify only the accepted path's states come, at the
+                sequence positions the path takes).
             hidden: ``[B, T, len(hidden_layers), hidden_size]`` in the model dtype, in the
                 order of ``hidden_layers``.
         """

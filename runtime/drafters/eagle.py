@@ -22,6 +22,25 @@ top-k / top-p as the target) with the request's uniforms, and q goes to rejectio
 sampling (Leviathan et al. 2023, Chen et al. 2023), so output is lossless; greedy rows
 take the argmax. EAGLE-3's q is over its draft vocabulary, placed at the target ids
 (zero elsewhere). Papers: Li et al. 2024 (EAGLE), Li et al. 2025 (EAGLE-3).
+
+**Static token trees** (``speculative_config.speculative_token_tree``, vLLM's format,
+:meth:`~specc.runtime.token_tree.TokenTree.from_choices`; EAGLE's tree drafting, Li et
+al. 2024, §4.2): after the catch-up, the head runs once per tree depth over all nodes of
+that depth. Node ``i`` (depth ``d``, parent ``p``) is the pair (head output of ``p``,
+token of ``i``) at RoPE position ``n - 1 + d`` and *cache* position ``n - 1 + i`` (one
+slot per node, as the target's tree verify): it attends to the committed head prefix
+``[0, n)`` and to its ancestors' and its own entries, nothing else (a tree mask), so stale
+entries at or beyond ``n`` are never read; the next catch-up overwrites them with true
+pairs. The children of a node are its ``r`` best tokens under the head's *processed*
+distribution (greedy rows: the raw logits, rank 0 the argmax, as the chain's draft): a
+deterministic candidate set, so the proposal carries no ``draft_probs`` and the tree
+sampler's recursive rejection with one-hot q keeps sampled rows lossless (each candidate
+is a fixed token, SpecInfer §4.2); the drafter's uniforms go unused. After the verify the
+engine hands over the target states of the accepted path only, at the sequence positions
+the path takes (:meth:`specc.runtime.engine.Engine._verify_tree`), so the next catch-up
+runs over exactly the pairs a chain would have. **Dynamic trees**
+(``eagle_dynamic_tree``, EAGLE-2): :meth:`EagleProposer._propose_dynamic`, the same head
+tree forward over a per-row tree chosen by cumulative head probability.
 """
 
 from __future__ import annotations
@@ -32,7 +51,8 @@ from specc.models.eagle import EagleHeadBase
 from specc.models.kv_cache import KVCache
 from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
 from specc.runtime.request import Request
-from specc.runtime.sampling import sample_draft
+from specc.runtime.sampling import process_logits, sample_draft
+from specc.runtime.token_tree import TokenTree
 
 __all__ = ["EagleProposer", "EagleState"]
 
@@ -95,17 +115,37 @@ class EagleState:
 
 
 class EagleProposer(Proposer):
-    """Chain drafting with an EAGLE or EAGLE-3 head.
+    """Chain, static-tree or EAGLE-2 dynamic-tree drafting with an EAGLE or EAGLE-3 head.
 
     Args:
         head: the loaded head (:func:`specc.models.eagle_checkpoint.load_eagle_head`).
-        num_speculative_tokens: k.
+        num_speculative_tokens: k (with ``tree``: its node count).
         num_slots, max_model_len: as the target's KV cache (the head's cache and feature
             buffer have the same slots and length).
+        tree: a static token tree to draft each step (None: a chain of k).
+        dynamic_tree: ``(depth, topk)``: EAGLE-2's dynamic tree of k nodes instead
+            (:meth:`_propose_dynamic`).
+
+    Raises:
+        ValueError: ``tree`` with other than ``num_speculative_tokens`` nodes; both trees;
+            a dynamic tree with fewer candidates than k.
     """
 
-    def __init__(self, head: EagleHeadBase, num_speculative_tokens: int, num_slots: int, max_model_len: int):
+    def __init__(self, head: EagleHeadBase, num_speculative_tokens: int, num_slots: int, max_model_len: int,
+                 tree: TokenTree | None = None, dynamic_tree: tuple[int, int] | None = None):
         super().__init__(num_speculative_tokens)
+        if tree is not None and tree.num_drafts != num_speculative_tokens:
+            raise ValueError(f"a token tree of {tree.num_drafts} nodes for num_speculative_tokens = "
+                             f"{num_speculative_tokens}: they must be equal")
+        if tree is not None and dynamic_tree is not None:
+            raise ValueError("a static tree and a dynamic tree: give one")
+        if dynamic_tree is not None:
+            depth, topk = dynamic_tree
+            if depth < 1 or topk < 1 or topk + (depth - 1) * topk * topk < num_speculative_tokens:
+                raise ValueError(f"dynamic tree depth {depth}, topk {topk}: its {topk + (depth - 1) * topk ** 2} "
+                                 f"candidates cannot hold {num_speculative_tokens} nodes")
+        self.tree = tree
+        self.dynamic_tree = dynamic_tree
         self.head = head
         self.hidden_layers = head.hidden_layers
         self.state = EagleState(head.make_cache(num_slots, max_model_len), head.config.hidden_size)
@@ -148,6 +188,10 @@ class EagleProposer(Proposer):
     # -- drafting ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: StepBatch, max_drafts: list[int], uniforms: torch.Tensor) -> Proposal:
+        if self.tree is not None:
+            return self._propose_tree(batch, max_drafts)
+        if self.dynamic_tree is not None:
+            return self._propose_dynamic(batch, max_drafts)
         B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
         trash, limit = self.cache.trash_pos, self.cache.max_model_len
         temperature, top_k, top_p, greedy = (x.to(dev) for x in (batch.temperature, batch.top_k, batch.top_p,
@@ -176,3 +220,161 @@ class EagleProposer(Proposer):
         any_sampled = not bool(batch.is_greedy.all())
         return Proposal(torch.stack(drafts, dim=1).cpu(), num,
                         torch.stack(probs, dim=1).cpu() if any_sampled else None)
+
+    def _catch_up(self, batch: StepBatch) -> torch.Tensor:
+        """The catch-up forward of a tree step: the head's output at each row's last
+        verified position ``n - 1`` ``[B, H]`` (it scores the root's children)."""
+        dev, trash = self.features.device, self.cache.trash_pos
+        rows = torch.arange(batch.size, device=dev)
+        ids, pos, last = (x.to(dev) for x in self.state.catch_up_pairs(batch.requests))
+        kv_len = int(torch.where(pos == trash, 0, pos).max()) + 1
+        out = self.head(ids, self.features[rows[:, None], pos], pos, self.cache.rows(batch.size), kv_len=kv_len)
+        return out[rows, last]
+
+    def _tree_forward(self, n: torch.Tensor, depth: int, ids: torch.Tensor, feats: torch.Tensor,
+                      slot: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One head forward over ``m`` tree nodes per row, all at ``depth``.
+
+        Args:
+            n: ``[B]`` int64, each row's verified tokens (the committed head prefix is
+                ``[0, n)``; the root pair sits at ``n - 1``).
+            ids, feats: ``[B, m]`` the nodes' tokens, ``[B, m, H]`` their parents' outputs.
+            slot: ``[B, m]`` int64 >= 1, each node's head-cache slot relative to ``n - 1``.
+            visible: ``[B, m, S + 1]`` bool: node ``i`` sees relative slot ``s`` (its
+                ancestors' and its own; ``s = 0`` is the root, always visible).
+
+        Returns:
+            ``[B, m, H]`` the nodes' head outputs. Slots at or past the cache's limit go to
+            the trash position (such nodes lie beyond every row's draft cap).
+        """
+        b, m = ids.shape
+        trash, limit = self.cache.trash_pos, self.cache.max_model_len
+        rope = (n[:, None] - 1 + depth).expand(b, m)
+        where = n[:, None] - 1 + slot
+        rope = torch.where(rope < limit, rope, torch.full_like(rope, trash))
+        where = torch.where(where < limit, where, torch.full_like(where, trash))
+        s_max = visible.shape[-1] - 1
+        kv_len = min(int(n.max()) + int(slot.max()), self.cache.max_len)
+        key = torch.arange(kv_len, device=ids.device)
+        rel = key[None] - (n[:, None] - 1)                                   # [B, kv_len]: slot at the key
+        own = visible.gather(2, rel.clamp(0, s_max)[:, None, :].expand(b, m, kv_len))
+        mask = (key[None, None] < n[:, None, None]) | (own & ((rel >= 1) & (rel <= s_max))[:, None, :])
+        return self.head(ids, feats, rope, self.cache.rows(b), kv_len=kv_len, attn_mask=mask,
+                         cache_positions=where)
+
+    def _propose_tree(self, batch: StepBatch, max_drafts: list[int]) -> Proposal:
+        """One static tree per row (module docstring): ``draft_token_ids`` ``[B, N]``,
+        ``parents`` ``[B, N]`` (the tree's, every row), ``draft_probs`` None."""
+        tree = self.tree
+        assert tree is not None
+        B, N, dev = batch.size, tree.num_drafts, self.features.device
+        h_root = self._catch_up(batch)
+        outs = h_root.new_zeros(B, N + 1, h_root.shape[-1])                 # head output per node
+        outs[:, 0] = h_root
+        tokens = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
+        n = torch.tensor([r.num_computed for r in batch.requests], device=dev)  # [B]
+        depths, parents = tree.depths, (0,) + tree.parents                 # per node (root: itself)
+        rank = [0] * (N + 1)
+        for kids in tree.children:
+            for r, c in enumerate(kids):
+                rank[c] = r
+        ancestors = tree.ancestor_mask().to(dev)                           # [N+1, N+1]
+        for d in range(1, max(depths) + 1):
+            level = [i for i in range(1, N + 1) if depths[i] == d]
+            # children of depth d-1: each parent's best len(children) tokens
+            heads_of = sorted({parents[i] for i in level})
+            top = self._top_tokens(outs[:, heads_of], batch, max(len(tree.children[p]) for p in heads_of))
+            col = {p: j for j, p in enumerate(heads_of)}
+            for i in level:
+                tokens[:, i] = top[:, col[parents[i]], rank[i]]
+            if not any(tree.children[i] for i in level):
+                break  # the deepest level: its outputs would feed no child
+            node = torch.tensor(level, device=dev)
+            outs[:, level] = self._tree_forward(n, d, tokens[:, level], outs[:, [parents[i] for i in level]],
+                                                node[None].expand(B, -1), ancestors[node][None].expand(B, -1, -1))
+        num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=N)
+        return Proposal(tokens[:, 1:].cpu(), num, None, torch.tensor([tree.parents], dtype=torch.long).repeat(B, 1))
+
+    def _propose_dynamic(self, batch: StepBatch, max_drafts: list[int]) -> Proposal:
+        """EAGLE-2's dynamic draft tree (Li et al. 2024, "EAGLE-2: Faster Inference of
+        Language Models with Dynamic Draft Trees", §4), per row.
+
+        Expansion: the root's ``topk`` best tokens (by the head's log-probability) are the
+        depth-1 candidates and the first frontier. At each further depth the head runs
+        once over the frontier (:meth:`_tree_forward`), each frontier node proposes its
+        ``topk`` best children, valued by the *cumulative* log-probability along the path
+        (the head's estimate of the path's acceptance), and the ``topk`` best of those
+        ``topk**2`` children become the next frontier; ``depth`` depths in all. Rerank:
+        the ``k`` best of all candidates by value form the tree (ties: the shallower,
+        earlier one first, so a parent, whose value is never lower, precedes its child
+        and the kept set is a tree), in candidate order (parents first). Values use the
+        head's processed distribution for sampled rows and its raw softmax for greedy
+        rows; candidates are fixed tokens, so ``draft_probs`` is None (lossless under
+        the tree sampler's one-hot recursive rejection).
+
+        Returns:
+            a tree :class:`Proposal`: ``[B, k]`` tokens and per-row ``parents``.
+        """
+        assert self.dynamic_tree is not None
+        depth, e = self.dynamic_tree
+        B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
+        n = torch.tensor([r.num_computed for r in batch.requests], device=dev)
+        h = self._catch_up(batch)[:, None]                                   # [B, 1, H] the root
+        f_score, f_tok = self._log_probs(h, batch).topk(e, dim=-1)          # [B, 1, e]
+        f_score, f_tok = f_score[:, 0], f_tok[:, 0]                          # frontier: [B, e]
+        f_id = torch.arange(e, device=dev).expand(B, e)                      # candidate ids
+        f_feat = h.expand(B, e, h.shape[-1])                                 # parents' outputs
+        tok, score, parent = [f_tok], [f_score], [torch.full((B, e), -1, dtype=torch.long, device=dev)]
+        s_max = (depth - 1) * e
+        visible = torch.zeros(B, e, s_max + 1, dtype=torch.bool, device=dev)
+        count = e
+        for d in range(1, depth):
+            slot = (1 + (d - 1) * e + torch.arange(e, device=dev)).expand(B, e)
+            visible = visible.scatter(2, slot[:, :, None], True)             # a node sees itself
+            out = self._tree_forward(n, d, f_tok, f_feat, slot, visible)    # [B, e, H]
+            c_score, c_tok = (f_score[:, :, None] + self._log_probs(out, batch)).topk(e, dim=-1)  # [B, e, e]
+            tok.append(c_tok.reshape(B, e * e))
+            score.append(c_score.reshape(B, e * e))
+            parent.append(f_id.repeat_interleave(e, dim=1))
+            f_score, pick = score[-1].topk(e, dim=-1)                        # the next frontier
+            f_tok = tok[-1].gather(1, pick)
+            f_id = count + pick
+            src = pick // e                                                  # its parent, in the frontier
+            f_feat = out.gather(1, src[:, :, None].expand(B, e, out.shape[-1]))
+            visible = visible.gather(1, src[:, :, None].expand(B, e, s_max + 1))
+            count += e * e
+        tok, score, parent = (torch.cat(x, dim=1).cpu() for x in (tok, score, parent))
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+        ids = tok.gather(1, order)
+        parents = torch.zeros(B, k, dtype=torch.long)
+        for b in range(B):
+            node = {c: i + 1 for i, c in enumerate(order[b].tolist())}       # candidate -> node number
+            parents[b] = torch.tensor([node.get(p, 0) for p in parent[b, order[b]].tolist()])
+        num = torch.tensor(max_drafts, dtype=torch.long).clamp(max=k)
+        return Proposal(ids, num, None, parents)
+
+    def _log_probs(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``h`` ``[B, P, H]`` -> ``[B, P, V]`` float32 log-probabilities of the head: its
+        processed distribution for sampled rows, its raw softmax for greedy rows."""
+        return torch.log_softmax(self._scores(h, batch), dim=-1)
+
+    def _scores(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``[B, P, H]`` -> ``[B, P, V]``: raw logits for greedy rows, processed logits
+        (temperature / top-k / top-p) for sampled rows."""
+        b, p, _ = h.shape
+        flat = self.head.compute_logits(h).reshape(b * p, -1)
+        dev = flat.device
+        rep = (lambda x: x.to(dev).repeat_interleave(p))
+        processed = process_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))
+        return torch.where(rep(batch.is_greedy)[:, None], flat, processed).view(b, p, -1)
+
+    def _top_tokens(self, h: torch.Tensor, batch: StepBatch, r: int) -> torch.Tensor:
+        """``h`` ``[B, P, H]`` head outputs -> ``[B, P, r]`` int64: each one's ``r`` best
+        tokens, distinct: by the raw logits for greedy rows (rank 0 the argmax, the chain
+        draft), by the processed logits (the request's temperature / top-k / top-p) for
+        sampled rows. Tokens the processors remove can fill the last ranks when fewer
+        than ``r`` remain; the verifier rejects them (target probability 0)."""
+        b, p, _ = h.shape
+        scores = self._scores(h, batch).reshape(b * p, -1)
+        scores = scores.scatter(1, scores.argmax(-1, keepdim=True), float("inf"))  # rank 0 = the argmax
+        return scores.topk(r, dim=-1).indices.view(b, p, r)

@@ -63,6 +63,9 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
         return DraftModelProposer(drafter.model, k, cache, target.config.vocab_size)
     if spec.method in ("eagle", "eagle3"):
         if drafts_in_graph:
+            if spec.tree_field is not None:
+                raise ConfigError(f"speculative_config.{spec.tree_field}: EAGLE token trees run on the eager "
+                                  "path only; set enforce_eager: true")
             from specc.runtime.drafters.in_graph import InGraphDrafter
 
             return InGraphDrafter(k, state=program_state)
@@ -71,7 +74,8 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
 
         head = load_eagle_head(spec.model, target.model, method=spec.method,
                                layer_ids=spec.eagle_aux_hidden_state_layer_ids)
-        return EagleProposer(head, k, target_cache.num_slots, target_cache.max_model_len)
+        return EagleProposer(head, k, target_cache.num_slots, target_cache.max_model_len, tree=spec.token_tree,
+                             dynamic_tree=None if (t := spec.eagle_dynamic_tree) is None else (t.depth, t.topk))
     raise ConfigError(f"speculative_config.method = {spec.method!r} is not implemented yet")
 
 

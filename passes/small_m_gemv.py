@@ -30,6 +30,7 @@ from torch import fx
 
 import specc.kernels.small_m_gemv as gemv
 from specc.passes.graph_attrs import fake_val, set_meta
+from specc.passes.small_m_linear import static_rows
 
 __all__ = ["DEFAULT_MAX_ROWS", "small_m_gemvs"]
 
@@ -40,10 +41,9 @@ _OP = torch.ops.specc.small_m_linear.default
 
 
 def _rows(x: fx.Node) -> int | None:
-    val = x.meta.get("val")
-    if val is None or val.dim() < 1 or not all(isinstance(s, int) for s in val.shape):
-        return None
-    return math.prod(val.shape[:-1])
+    """Static row count ``M`` of a linear's input, or None (symbolic or unknown shape)."""
+    shape = static_rows(x)
+    return None if shape is None else math.prod(shape[0])
 
 
 def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> int:

@@ -65,7 +65,7 @@ aten = torch.ops.aten
 _FORCE_STRIDE = torch.ops.prims.inductor_force_stride_order.default
 
 
-def _static_rows(x: fx.Node) -> tuple[list[int], int] | None:
+def static_rows(x: fx.Node) -> tuple[list[int], int] | None:
     """``(leading dims, K)`` of ``x`` if every size is a plain int, else None."""
     val = x.meta.get("val")
     if val is None or val.dim() < 1:
@@ -96,7 +96,7 @@ def small_m_linears(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> 
             continue
         x, w = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        dims = _static_rows(x)
+        dims = static_rows(x)
         if dims is None:
             continue
         lead, k = dims

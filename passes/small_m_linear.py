@@ -57,7 +57,7 @@ from torch import fx
 
 from specc.passes.graph_attrs import fake_val, set_meta
 
-__all__ = ["DEFAULT_MAX_ROWS", "small_m_linears"]
+__all__ = ["DEFAULT_MAX_ROWS", "small_m_linears", "static_rows"]
 
 DEFAULT_MAX_ROWS = 8
 

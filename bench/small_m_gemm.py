@@ -22,7 +22,9 @@ variant's own M=1 time:
   ``mkldnn._linear_pointwise``, what Inductor's freezing (and so a compiled bf16 program,
   ``passes/packed_weights.py``) runs;
 * ``bf16_gemv``: bf16 weights as they are ``[N, K]`` through ``specc::small_m_linear``
-  (``kernels/small_m_gemv.py``: AVX512_BF16 dot products streaming each weight once).
+  (``kernels/small_m_gemv.py``: AVX512_BF16 dot products streaming each weight once);
+* ``gemv``: the fp32 weights as they are ``[N, K]`` through the same op (its fp32 path:
+  AVX-512 FMAs streaming each weight once) — what ``"gemv"`` lowering gives fp32 programs.
 
 ``--lm-head`` times SmolLM2's 49152 x 576 lm_head alone instead of the layers. Besides ms
 the table gives GB/s of weight bytes read (fp32 variants 4 bytes a weight, bf16 ones 2).
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) per projection
 LM_HEAD = [(576, 49152)]
-VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template", "bf16_nt", "bf16_packed", "bf16_gemv")
+VARIANTS = ("nt", "nn", "mkl_packed", "reduction", "cpp_template", "bf16_nt", "bf16_packed", "bf16_gemv", "gemv")
 
 
 def _rows_reduction(x, weights):
@@ -96,6 +98,10 @@ def build(variant: str, weights, m: int):
 
         w16 = [w.bfloat16() for w in weights]
         return lambda xs: [small_m_linear(xs[j % 4].bfloat16(), w) for j, w in enumerate(w16)]
+    if variant == "gemv":
+        from specc.kernels.small_m_gemv import small_m_linear
+
+        return lambda xs: [small_m_linear(xs[j % 4], w) for j, w in enumerate(weights)]
     raise ValueError(variant)
 
 

@@ -42,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from specc.compiler import DEFAULT_LINEAR_PASSES, LINEAR_PASSES, _constants, _lower, build_program, step_example_inputs
+from specc.compiler import (LINEAR_PASSES, _constants, _lower, build_program, default_linear_passes,
+                            step_example_inputs)
 from specc.config import load_config
 from specc.models.loader import load_model
 from specc.passes.packed_weights import PackedWeights, bind_constants, uses_packed_weights
@@ -160,8 +161,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--linear-passes", choices=LINEAR_PASSES, nargs="+", default=[DEFAULT_LINEAR_PASSES],
-                    help="one lowering, or several timed interleaved (ratios against the first one's decode)")
+    ap.add_argument("--linear-passes", choices=("auto", *LINEAR_PASSES), nargs="+", default=["auto"],
+                    help="one lowering, or several timed interleaved (ratios against the first one's decode); "
+                    "auto: what specc compile picks on this machine")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="model dtype; bf16/fp16 programs get oneDNN-packed weights on CPUs that run them")
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, b=1, T=1,5, fewer repeats")
@@ -172,6 +174,8 @@ def main(argv=None) -> None:
     if a.tokens[0] != 1:
         ap.error("--tokens must start with 1 (the decode step every ratio is taken against)")
     torch.set_num_threads(a.threads)
+    auto = default_linear_passes(getattr(torch, a.dtype), "cpu")
+    a.linear_passes = [auto if lp == "auto" else lp for lp in a.linear_passes]
     models = a.model or ["smollm2-135m-instruct"]
     read_gbs = read_bandwidth_gbs()
     lps = a.linear_passes[0] if len(a.linear_passes) == 1 else a.linear_passes

@@ -41,6 +41,9 @@ namespace {
 
 constexpr int64_t PREFETCH_BYTES = 1024;
 constexpr int64_t MAX_ROWS = 16;
+// fp32 prefetch distances ahead of each W row's chunk, bytes (tuned on SmolLM2's shapes,
+// one thread: 8192/512 beat 1024 into L1 only by 1.2x at M = 5, docs/compile.md)
+constexpr int64_t F32_PREFETCH_L2 = 8192, F32_PREFETCH_L1 = 512;
 
 inline __m512bh load_bf16(const at::BFloat16* p, __mmask32 mask, bool full) {
   __m512i v = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p);
@@ -112,6 +115,100 @@ constexpr auto table(std::integer_sequence<int, Ms...>) {
   return std::array<RowsFn, sizeof...(Ms)>{&rows<Ms + 1>...};
 }
 
+
+// ---- fp32: the same walk with FMAs, K in chunks of 16 floats (one cache line) ---------
+// Lane sums of 16 vectors at once: out[i] = sum of v[i]'s lanes (a transpose-and-add tree,
+// 45 shuffles/adds for 16 sums where 16 _mm512_reduce_add_ps take ~130).
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a, b, c, d] partial sums
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: [s0-3, s0-3, s4-7, s4-7] (+ i * 8)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+template <int M, int NB>
+inline void block_f32(const float* __restrict x, const float* __restrict w, const float* bias, float* __restrict y,
+                      int64_t n0, int64_t N, int64_t K) {
+  __m512 acc[NB][M];
+#pragma GCC unroll 16
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  const float* wb = w + n0 * K;
+  const int64_t kfull = K / 16 * 16;
+  for (int64_t k = 0; k < K; k += 16) {
+    const bool full = k < kfull;
+    const __mmask16 mask = full ? __mmask16(0xFFFF) : (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv[NB];
+#pragma GCC unroll 16
+    for (int j = 0; j < NB; ++j) {
+      const float* p = wb + j * K + k;
+      // far into L2 (the fill buffers of L1 alone cannot cover the latency), near into L1
+      _mm_prefetch(reinterpret_cast<const char*>(p) + F32_PREFETCH_L2, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + F32_PREFETCH_L1, _MM_HINT_T0);
+      wv[j] = full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const float* q = x + m * K + k;
+      const __m512 xv = full ? _mm512_loadu_ps(q) : _mm512_maskz_loadu_ps(mask, q);
+#pragma GCC unroll 16
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
+    }
+  }
+  constexpr int A = NB * M, G = (A + 15) / 16;
+  const __m512* flat = &acc[0][0];
+  alignas(64) float sums[G * 16];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    __m512 v[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) v[i] = g * 16 + i < A ? flat[g * 16 + i] : _mm512_setzero_ps();
+    _mm512_store_ps(sums + g * 16, hsum16(v));
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NB; ++j) {
+    const float b = bias ? bias[n0 + j] : 0.f;
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) y[m * N + n0 + j] = sums[j * M + m] + b;
+  }
+}
+
+// Row groups: M rows are split into groups of at most 6 (as even as possible), each run
+// against the same NB rows of W while they sit in L1: W is read from memory once, and a
+// group's NB * MG accumulators + NB weight vectors + one x vector fit the 32 zmm registers.
+constexpr int F32_GROUP = 6;
+
+template <int NB>
+void rows_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  using Fn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+  static const Fn fns[F32_GROUP] = {&block_f32<1, NB>, &block_f32<2, NB>, &block_f32<3, NB>,
+                                    &block_f32<4, NB>, &block_f32<5, NB>, &block_f32<6, NB>};
+  const int64_t groups = (M + F32_GROUP - 1) / F32_GROUP;
+  const int64_t nblocks = N / NB;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (NB * K * 4 + 1));
+  auto run = [&](int64_t n, auto&& fn_of) {
+    for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+      const int64_t mg = (M - m0) / (groups - g);  // even split, the larger groups last
+      fn_of(mg)(x + m0 * K, w, bias, y + m0 * N, n, N, K);
+      m0 += mg;
+    }
+  };
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) run(b * NB, [](int64_t mg) { return fns[mg - 1]; });
+  });
+  static const Fn tail[F32_GROUP] = {&block_f32<1, 1>, &block_f32<2, 1>, &block_f32<3, 1>,
+                                     &block_f32<4, 1>, &block_f32<5, 1>, &block_f32<6, 1>};
+  for (int64_t n = nblocks * NB; n < N; ++n) run(n, [](int64_t mg) { return tail[mg - 1]; });
+}
 
 // ---- AMX: 16-row blocks of W against all M rows at once ----------------------------
 struct TileConfig {
@@ -223,9 +320,10 @@ at::Tensor small_m_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
               " does not match weight ", weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
   const int64_t M = K ? x.numel() / K : 0;
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                    (!bias || bias->scalar_type() == at::kBFloat16);
-  if (!bf16 || M < 1 || M > MAX_ROWS || K == 0) {  // the reference: fp32 math, one rounding
+  const auto dt = x.scalar_type();
+  const bool same = weight.scalar_type() == dt && (!bias || bias->scalar_type() == dt);
+  const bool bf16 = same && dt == at::kBFloat16, f32 = same && dt == at::kFloat;
+  if (!(bf16 || f32) || M < 1 || M > MAX_ROWS || K == 0) {  // the reference: fp32 math, one rounding
     auto y = at::linear(x.to(at::kFloat), weight.to(at::kFloat), bias ? c10::optional<at::Tensor>(bias->to(at::kFloat))
                                                                       : c10::nullopt);
     return y.to(x.scalar_type());
@@ -237,6 +335,12 @@ at::Tensor small_m_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
+  if (f32) {
+    auto fn = M <= 2 ? &rows_f32<8> : &rows_f32<4>;
+    fn(xc.data_ptr<float>(), wc.data_ptr<float>(), bc ? bc->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N,
+       K);
+    return y;
+  }
   static const auto fns = table(std::make_integer_sequence<int, MAX_ROWS>{});
   static const bool amx = amx_usable();
   const at::BFloat16* xd = xc.data_ptr<at::BFloat16>();

@@ -32,10 +32,12 @@ import specc.kernels.small_m_gemv as gemv
 from specc.passes.graph_attrs import fake_val, set_meta
 from specc.passes.small_m_linear import static_rows
 
-__all__ = ["DEFAULT_MAX_ROWS", "small_m_gemvs"]
+__all__ = ["DEFAULT_MAX_ROWS", "DTYPES", "small_m_gemvs"]
 
 #: Rows rewritten by default: a chain verify of up to 15 drafts at batch 1.
 DEFAULT_MAX_ROWS = gemv.MAX_ROWS
+#: Dtypes the kernel has a fast path for (input, weight and bias all the same one).
+DTYPES = (torch.bfloat16, torch.float32)
 _LINEAR = torch.ops.aten.linear.default
 _OP = torch.ops.specc.small_m_linear.default
 
@@ -67,7 +69,7 @@ def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> in
         x, w = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         vals = [a.meta.get("val") for a in (x, w) + ((bias,) if bias is not None else ())]
-        if any(v is None or v.dtype != torch.bfloat16 for v in vals):
+        if any(v is None or v.dtype not in DTYPES or v.dtype != vals[0].dtype for v in vals):
             continue
         m = _rows(x)
         if m is None or not 1 <= m <= max_rows:

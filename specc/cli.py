@@ -12,6 +12,8 @@ DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specc.compiler import LINEAR_PASSES  # imports torch: the parser needs the lowering names
+
     parser = argparse.ArgumentParser(
         prog="specc",
         description="specc: compiler-first speculative decoding for LLMs.",
@@ -26,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("config", help="model.yaml (see examples/)")
     c.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact folder (an earlier artifact is replaced)")
     c.add_argument("--threads", type=int, metavar="N", help="torch CPU threads while compiling")
+    c.add_argument("--linear-passes", default="auto", choices=("auto", *LINEAR_PASSES),
+                   help="how linear layers are lowered (default auto: specc's few-row kernel on CPUs "
+                   "that build it, MKL/oneDNN GEMMs elsewhere; docs/compile.md)")
     c.set_defaults(func=_compile)
     g = sub.add_parser("generate", help="generate text from a model.yaml or an artifact (streams to the terminal)")
     g.add_argument("config", help="model.yaml (see examples/) or an artifact folder from `specc compile`")
@@ -77,7 +82,7 @@ def _compile(args) -> int:
 
     _set_threads(args.threads)
     t0 = time.perf_counter()
-    out = compile_artifact(args.config, args.output)
+    out = compile_artifact(args.config, args.output, linear_passes=args.linear_passes)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"specc: wrote {out} ({size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f}s; "
           f"run it: specc generate {args.output} --prompt ...")

@@ -72,9 +72,27 @@ KV_LEN_ALIGN = 32
 COMPILED_METHODS = (None, "ngram", "suffix", "draft_model", "eagle", "eagle3")
 #: Methods whose head runs inside ``prefill`` and ``spec_step`` (:func:`plan_programs`).
 EAGLE_METHODS = ("eagle", "eagle3")
-#: Choices of :func:`apply_linear_passes` and the one ``specc compile`` uses.
+#: Choices of :func:`apply_linear_passes` (``specc compile --linear-passes``); ``"auto"``
+#: is :func:`default_linear_passes`.
 LINEAR_PASSES = ("pretranspose", "small_m", "gemv", "none")
+#: The lowering where ``specc::small_m_linear`` cannot run (no AVX512_BF16 CPU, no C++
+#: toolchain, CUDA); also what :func:`build_program` uses when not told.
 DEFAULT_LINEAR_PASSES = "pretranspose"
+
+
+def default_linear_passes(dtype: torch.dtype, device: str) -> str:
+    """The linear lowering ``specc compile`` picks: ``"gemv"`` for fp32 and bf16 CPU
+    programs where the ``specc::small_m_linear`` C++ kernel builds and loads (it is built
+    here, once, so the artifact's first step does not wait for it), else
+    :data:`DEFAULT_LINEAR_PASSES`. Measured (docs/compile.md, "Verify cost"): SmolLM2-135M
+    fp32, one thread, whole programs: a 5-token verify 1.11x a decode step (MKL GEMMs:
+    1.91x), decode itself 1.03x; bf16: decode 0.57-0.78x of oneDNN's packed decode."""
+    from specc.kernels.small_m_gemv import kernel_available
+    from specc.passes.small_m_gemv import DTYPES
+
+    if device == "cpu" and dtype in DTYPES and kernel_available():
+        return "gemv"
+    return DEFAULT_LINEAR_PASSES
 
 
 def plan_programs(config: SpeccConfig) -> list[dict[str, Any]]:
@@ -137,7 +155,7 @@ def check_compilable(config: SpeccConfig, label: str | None = None) -> None:
 
 
 def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: str | os.PathLike, *,
-                     progress: bool = True, target=None, head=None) -> Path:
+                     progress: bool = True, target=None, head=None, linear_passes: str = "auto") -> Path:
     """Build the artifact folder for ``config`` at ``out_dir`` (atomically).
 
     Args:
@@ -147,6 +165,8 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
         target: an already loaded :class:`specc.models.loader.LoadedModel` (skips loading).
         head: an already loaded EAGLE head for ``target`` (``eagle`` / ``eagle3``; skips
             loading ``speculative_config.model``).
+        linear_passes: the linear lowering of every program, one of :data:`LINEAR_PASSES`,
+            or ``"auto"`` (:func:`default_linear_passes`); the manifest records it.
 
     Returns:
         the artifact folder.
@@ -154,6 +174,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
     Raises:
         ConfigError: invalid config, a method without compiled programs, unloadable weights.
         ArtifactError: ``out_dir`` exists and is not an artifact.
+        ValueError: unknown ``linear_passes``.
     """
     from specc.artifact import check_output_dir, draft_hash, model_files_hash
     from specc.models.loader import load_model
@@ -165,6 +186,8 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
     check_compilable(cfg, label)
     _check_device(cfg.device, label)
     check_output_dir(out_dir)  # before minutes of loading and compiling
+    if linear_passes != "auto" and linear_passes not in LINEAR_PASSES:
+        raise ValueError(f"linear_passes = {linear_passes!r}: expected 'auto' or one of {', '.join(LINEAR_PASSES)}")
     if target is None:
         try:
             target = load_model(cfg.target, dtype=cfg.torch_dtype, device=cfg.device)
@@ -172,6 +195,10 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             raise ConfigError(f"target = {cfg.target!r}: {e}", label) from e
     plan = plan_programs(cfg)
     packed = uses_packed_weights(cfg.torch_dtype, cfg.device)
+    if linear_passes == "auto":
+        linear_passes = default_linear_passes(cfg.torch_dtype, cfg.device)
+    if progress:
+        print(f"specc: linear lowering {linear_passes!r}", file=sys.stderr)
     spec = cfg.speculative_config
     if head is None and spec is not None and spec.method in EAGLE_METHODS:
         head = _load_head(cfg, target, label)
@@ -187,7 +214,8 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             with warnings.catch_warnings():  # torch-internal deprecation noise from export / pytree
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
-                gm, args, dynamic_shapes = build_program(target.model, cfg, prog, head=head)
+                gm, args, dynamic_shapes = build_program(target.model, cfg, prog, head=head,
+                                                         linear_passes=linear_passes)
                 prog["packed_constants"] = _lower(gm, args, dynamic_shapes,
                                                   tmp / PROGRAMS_DIR / f"{prog['name']}.pt2", packed=packed)
             prog["file"] = f"{PROGRAMS_DIR}/{prog['name']}.pt2"
@@ -211,6 +239,7 @@ def compile_artifact(config: str | os.PathLike | dict | SpeccConfig, out_dir: st
             **({"draft_hash": draft_hash(spec.model), "draft_folder": str(Path(spec.model).expanduser().resolve())}
                if head is not None else {}),
             "max_logprobs": MAX_LOGPROBS,
+            "linear_passes": linear_passes,
             "programs": plan,
             "constants": stored,
         }
@@ -343,11 +372,12 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
       the layers' shapes, but slower in the whole program (b=1 T=1 0.88x, T=5 1.02x of no
       pass) and on the 49152-row lm_head (15 vs 8 ms): not the default; kept for the
       benchmarks (docs/compile.md, "Verify cost").
-    * ``"gemv"``: fusion, then bf16 linears over at most 16 static rows (decode and step
-      programs; not the prefill chunk) through ``specc::small_m_linear``
-      (:mod:`~specc.passes.small_m_gemv`: weights stay plain ``[N, K]``, no packed copy);
-      the others stay ``aten.linear`` (freezing packs them for oneDNN). For bf16 CPU
-      programs; a no-op on fp32 graphs beyond fusion. Measured in docs/compile.md,
+    * ``"gemv"`` (what ``specc compile`` picks on CPUs where the kernel builds,
+      :func:`default_linear_passes`): fusion, then fp32 and bf16 linears over at most 16
+      static rows (decode and step programs; not the prefill chunk) through
+      ``specc::small_m_linear`` (:mod:`~specc.passes.small_m_gemv`: weights stay plain
+      ``[N, K]``, each streamed once for all rows); the others stay ``aten.linear``
+      (MKL; in bf16 freezing packs them for oneDNN). Measured in docs/compile.md,
       "Verify cost".
     * ``"none"``: the exported graph as is.
 

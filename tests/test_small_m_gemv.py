@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specc.kernels.small_m_gemv import MAX_ROWS, kernel_available, small_m_linear, small_m_linear_reference
 
@@ -54,12 +55,43 @@ def test_matches_reference_input_ranks(shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", list(range(1, MAX_ROWS + 1)))
+def test_fp32_matches_reference_all_rows(rows):
+    """The fp32 path (AVX-512 FMAs, row groups of <= 6, 8/4/1 weight rows a block, masked
+    K tails) against a float64 reference: fp32 summation error only."""
+    g = torch.Generator().manual_seed(100 + rows)
+    for n, k, bias in [(37, 33, True), (96, 64, False), (131, 576, True), (64, 1, False), (17, 577, True),
+                       (9, 1536, False)]:
+        x = torch.randn(rows, k, generator=g)
+        w = torch.randn(n, k, generator=g) / k ** 0.5
+        b = torch.randn(n, generator=g) if bias else None
+        y = small_m_linear(x, w, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert y.dtype == torch.float32 and y.shape == want.shape
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fp32_row_independent_of_row_count():
+    """A row's result is bitwise the same whatever the other rows are (decode = 1 row,
+    verify = k+1 rows): greedy speculative output then equals greedy decode exactly."""
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(203, 577, generator=g), torch.randn(203, generator=g)
+    x = torch.randn(MAX_ROWS, 577, generator=g)
+    alone = small_m_linear(x[:1], w, b)
+    for rows in range(1, MAX_ROWS + 1):
+        assert torch.equal(small_m_linear(x[:rows], w, b)[:1], alone), rows
+
+
+@needs_kernel
 def test_strided_inputs_and_other_dtypes():
     x = torch.randn(6, 128).bfloat16()[:, ::2]  # [6, 64], not contiguous
     w = torch.randn(64, 48).bfloat16().t()  # [64 out... transposed view [48, 64]]
     _close(small_m_linear(x, w), small_m_linear_reference(x, w))
-    x32, w32 = torch.randn(3, 40), torch.randn(24, 40)
+    x32, w32 = torch.randn(3, 128)[:, ::2], torch.randn(40, 64).t().contiguous().t()[:24]
     torch.testing.assert_close(small_m_linear(x32, w32), x32 @ w32.t())
+    x16, w16 = torch.randn(3, 40).half(), torch.randn(24, 40).half()  # no fast path: the reference
+    torch.testing.assert_close(small_m_linear(x16, w16), small_m_linear_reference(x16, w16))
 
 
 def test_reference_definition():

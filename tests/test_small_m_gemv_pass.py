@@ -1,8 +1,8 @@
-"""``specc.passes.small_m_gemv``: few-row bf16 linears become ``specc::small_m_linear``.
+"""``specc.passes.small_m_gemv``: few-row bf16 and fp32 linears become ``specc::small_m_linear``.
 
 * a small bf16 module: every linear with static rows <= max_rows is rewritten, the graph
-  computes what ``F.linear`` does up to bf16 rounding; fp32 linears, symbolic row counts
-  and rows past the limit are left alone;
+  computes what ``F.linear`` does up to bf16 rounding; fp32 ones too (to fp32 rounding);
+  fp16 linears, symbolic row counts and rows past the limit are left alone;
 * AOTInductor compiles a graph calling the op (a proxy-executor extern call) with its
   constants kept out of the package, and the loaded package computes the reference;
 * the tiny bf16 Llama VerifyProgram after fusion + this pass matches the unpassed graph.
@@ -59,8 +59,19 @@ def test_rewrites_bf16_linears(shape):
     torch.export.export(gm, (x,))  # re-exports
 
 
-def test_leaves_fp32_symbolic_and_wide_linears():
-    gm = export_flat(TwoLinears(dtype=torch.float32).eval(), (torch.randn(3, 40),))
+def test_rewrites_fp32_linears():
+    torch.manual_seed(0)
+    mod = TwoLinears(dtype=torch.float32).eval()
+    x = torch.randn(3, 40)
+    gm = export_flat(mod, (x,))
+    assert small_m_gemvs(gm) == 2 and count(gm, LINEAR) == 0
+    with torch.no_grad():
+        (got,) = gm(x)
+        torch.testing.assert_close(got, mod(x), rtol=1e-5, atol=1e-5)
+
+
+def test_leaves_fp16_symbolic_and_wide_linears():
+    gm = export_flat(TwoLinears(dtype=torch.float16).eval(), (torch.randn(3, 40).half(),))
     assert small_m_gemvs(gm) == 0 and count(gm, LINEAR) == 2
     gm = export_flat(TwoLinears().eval(), (torch.randn(17, 40).bfloat16(),))
     assert small_m_gemvs(gm) == 0
@@ -116,7 +127,7 @@ def test_tiny_bf16_verify_program_matches():
         _bf16_close(a, b)
 
 
-@pytest.mark.slow  # ~4.5 min on 2 cores; the gemv lowering is opt-in (not what specc compile uses)
+@pytest.mark.slow  # ~4.5 min on 2 cores; fp32 artifacts with the gemv lowering run in every compiled test
 def test_bf16_artifact_with_gemv_is_lossless(tiny_qwen2_dir, tmp_path, monkeypatch):
     """A bf16 artifact built with ``linear_passes="gemv"`` (decode and spec_step call the
     op, prefill keeps oneDNN-packed linears): every greedy token, speculative or not, is

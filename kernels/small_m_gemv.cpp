@@ -1,4 +1,4 @@
-// Few-row bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ bias) that streams W once.
+// Few-row linear y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bf16 or fp32, that streams W once.
 //
 // Built on first use by kernels/small_m_gemv.py (torch.utils.cpp_extension.load_inline,
 // -mavx512f -mavx512bf16); loading the library registers the CPU kernel of the op
@@ -26,6 +26,14 @@
 // accumulates C[n][m] (16 x 16 fp32) for four blocks (64 rows of W) at a time, with a
 // prefetch of the next 64 rows' chunk. Rows left over (N % 16) take the AVX512 loop.
 // SPECC_GEMV_ISA=avx512 (read once) turns AMX off.
+//
+// fp32 (block_f32 / rows_f32): the AVX512 walk with FMAs, K in chunks of 16 floats.
+// Rows are split into groups of <= 6 run one after another against the same NB = 4
+// weight rows (8 for M <= 2) while those sit in L1, so W is read from memory once and
+// a group's accumulators fit the registers. Lane sums are done 16 accumulators at a
+// time (hsum16), in an order that does not depend on the accumulator's position, so a
+// row's result is the same whatever the other rows are. Each W row's chunk gets a
+// prefetch into L2 8 KiB ahead and into L1 512 B ahead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -1,4 +1,4 @@
-"""``specc::small_m_linear``: a few-row bf16 linear that streams its weight once.
+"""``specc::small_m_linear``: a few-row linear (bf16 or fp32) that streams its weight once.
 
 ``small_m_linear(x, weight, bias=None)`` computes ``y = x @ weight.T (+ bias)``:
 
@@ -6,12 +6,14 @@
 * ``y``: ``[..., N]`` in ``x``'s dtype, computed in fp32 from the inputs as given and
   rounded once (for bf16 inputs: what oneDNN's bf16 linear computes, up to summation order).
 
-Why: oneDNN runs a bf16 linear over 1-8 rows at ~3 GB/s of weight bytes on this Xeon
-(it pads the rows to an AMX/brgemm tile, so it is compute/overhead-bound), slower than
-fp32 MKL; a bf16 decode step then costs what an fp32 one does. The C++ kernel
-(``small_m_gemv.cpp``, its header comment has the algorithm) streams ``W`` once with
-AVX512_BF16 dot products (``vdpbf16ps``) against all ``M <= 16`` rows held in L1, so a
-bf16 decode reads half the bytes of fp32 and a 5-row verify reads them once.
+Why: a (k+1)-row verify reads the same weights as a one-row decode step, so on a
+memory-bound CPU it should cost about the same. MKL's fp32 GEMM over 5 rows costs ~2x
+its one-row sgemv (it is built for large M), and oneDNN's bf16 linear pays ~30 us a call.
+The C++ kernel (``small_m_gemv.cpp``, its header comment has the algorithm) streams ``W``
+once against all ``M <= 16`` rows held in L1: bf16 through AMX tiles taken straight from
+the weight's rows (AVX512_BF16 dot products for tails), fp32 through AVX-512 FMAs with
+the horizontal sums done 16 at a time and an L2 + L1 prefetch; a 5-row fp32 call costs
+~1.1x a one-row call (docs/compile.md, "fp32 few-row linears").
 
 Dispatch: the op is defined when this module is imported (its fake kernel too, so it
 traces through ``torch.export`` and AOTInductor calls it by name through its proxy
@@ -20,10 +22,10 @@ until the first call on a CPU with AVX512_BF16 (Linux ``avx512_bf16`` flag), whi
 the C++ kernel (``torch.utils.cpp_extension.load_inline``, g++ and ninja, cached under
 ``~/.cache/specc/torch_extensions``; tens of seconds once, a load afterwards) and
 registers it as the op's CPU kernel; later calls go straight to C++. The C++ kernel
-handles bf16 ``x``/``weight``/``bias`` with ``1 <= M <= 16`` rows; any other dtype or row
-count falls back to the same fp32 reference inside C++. On a CPU without AVX512_BF16,
-or when the build fails (no compiler: a warning once), every call runs the reference.
-Nothing is built at import.
+handles bf16 or fp32 ``x``/``weight``/``bias`` (all one dtype) with ``1 <= M <= 16``
+rows; any other dtype or row count falls back to the same fp32 reference inside C++. On
+a CPU without AVX512_BF16, or when the build fails (no compiler: a warning once), every
+call runs the reference. Nothing is built at import.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``x @ weight.T (+ bias)`` through ``specc::small_m_linear`` (module docstring).
 
     Args:
-        x: ``[..., K]``; the fast path wants bf16 and ``prod(x.shape[:-1]) <= MAX_ROWS``.
+        x: ``[..., K]``; the fast path wants bf16 or fp32 and ``prod(x.shape[:-1]) <= MAX_ROWS``.
         weight: ``[N, K]``, same dtype as ``x``.
         bias: ``[N]`` or None.
 

@@ -1,15 +1,15 @@
-"""Few-row bf16 linears through ``specc::small_m_linear`` (kernels/small_m_gemv.py).
+"""Few-row bf16 and fp32 linears through ``specc::small_m_linear`` (kernels/small_m_gemv.py).
 
 In a flat FX graph (:func:`specc.passes.signature.export_flat`), every
-``aten.linear.default(x, W[, b])`` whose input and weight are bf16 and whose input has a
-static row count ``M = prod(x.shape[:-1]) <= max_rows`` becomes
-``specc.small_m_linear.default(x, W[, b])``: the same ``[..., N]`` bf16 result (fp32
-accumulation, one rounding), computed by a kernel that streams the plain ``[N, K]`` weight
-once (AMX tiles straight from the weight's rows; no packed copy), where oneDNN's bf16
-linear pays ~30 us a call and, in the profile that started issue #8, ran below the
-memory bandwidth. Linears with a symbolic row count (the prefill chunk), more rows or
-another dtype are left alone (in a bf16 program Inductor's freezing then packs them for
-oneDNN, :mod:`specc.passes.packed_weights`).
+``aten.linear.default(x, W[, b])`` whose input, weight (and bias) are all bf16 or all
+fp32 and whose input has a static row count ``M = prod(x.shape[:-1]) <= max_rows``
+becomes ``specc.small_m_linear.default(x, W[, b])``: the same ``[..., N]`` result (fp32
+accumulation, one rounding), computed by a kernel that streams the plain ``[N, K]``
+weight once for all rows (bf16: AMX tiles straight from the weight's rows, no packed
+copy; fp32: AVX-512 FMAs), where MKL's fp32 GEMM over 5 rows costs ~2x its one-row
+sgemv and oneDNN's bf16 linear pays ~30 us a call. Linears with a symbolic row count
+(the prefill chunk), more rows or another dtype are left alone (in a bf16 program
+Inductor's freezing then packs them for oneDNN, :mod:`specc.passes.packed_weights`).
 
 The op is an extern call in the compiled program: AOTInductor calls it by name through
 its proxy executor, so a process that loads such a package must have imported
@@ -49,7 +49,7 @@ def _rows(x: fx.Node) -> int | None:
 
 
 def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> int:
-    """Rewrite every bf16 ``aten.linear`` over at most ``max_rows`` static rows into
+    """Rewrite every bf16 / fp32 ``aten.linear`` over at most ``max_rows`` static rows into
     ``specc::small_m_linear`` (module docstring). Returns how many were rewritten.
 
     Args:

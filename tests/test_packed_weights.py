@@ -71,17 +71,21 @@ def test_bind_constants_needs_a_cache_for_packed_programs():
         bind_constants(_Runner(), {"w": torch.zeros(2, 2)}, {"_frozen_param0": {"source": "w", "transpose": False, "packed": True}})
 
 
+@pytest.mark.slow  # ~80 s; CPUs that pack bf16 build specc::small_m_linear too, so the default
+# bf16 artifact packs the prefill only (tests/test_small_m_gemv_pass.py); this is the
+# all-packed lowering, what a machine where the kernel cannot build gets
 def test_bf16_artifact_shares_packed_weights_and_is_lossless(tiny_qwen2_dir, tmp_path):
-    """One packed copy per weight for all programs; every compiled greedy token,
-    speculative or not, is the reference model's (transformers, bf16) argmax up to bf16
-    rounding: bf16 kernels of different widths may round a near-tie apart, so exact
-    equality is the fp32 contract (tests/test_compiled.py), not this one."""
+    """Lowered with ``pretranspose`` (every program packed): one packed copy per weight
+    for all programs; every compiled greedy token, speculative or not, is the reference
+    model's (transformers, bf16) argmax up to bf16 rounding: bf16 kernels of different
+    widths may round a near-tie apart, so exact equality is the fp32 contract
+    (tests/test_compiled.py), not this one."""
     from transformers import AutoModelForCausalLM
 
     spec = drafter_spec("ngram", 3)
     cfg = dict(target=str(tiny_qwen2_dir), dtype="bfloat16", max_model_len=96, max_num_seqs=1,
                batch_buckets=[1], speculative_config=spec)
-    art = compile_artifact(cfg, tmp_path / "build", progress=False)
+    art = compile_artifact(cfg, tmp_path / "build", progress=False, linear_passes="pretranspose")
     compiled = Session(str(art), verbose=False)
     maps = [p["packed_constants"] for p in compiled.artifact.manifest["programs"]]
     entries = {(v["source"], v["transpose"], v["packed"], tuple(v.get("stride", ()))) for m in maps

@@ -15,14 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specc.kernels.small_m_gemv import small_m_linear_reference
+from specc.kernels.small_m_gemv import kernel_available, small_m_linear_reference
 from specc.passes.fuse_projections import fuse_projections
+from specc.passes.packed_weights import uses_packed_weights
 from specc.passes.signature import export_flat
 from specc.passes.small_m_gemv import small_m_gemvs
 from specc.runtime.programs import VerifyProgram
 from test_pretranspose_weights import MAX_LEN, clone_kv, tiny_model, verify_args
 
 LINEAR = torch.ops.aten.linear.default
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no AVX512_BF16 or no C++ toolchain: no gemv default")
 OP = torch.ops.specc.small_m_linear.default
 
 
@@ -127,25 +129,27 @@ def test_tiny_bf16_verify_program_matches():
         _bf16_close(a, b)
 
 
-@pytest.mark.slow  # ~4.5 min on 2 cores; fp32 artifacts with the gemv lowering run in every compiled test
-def test_bf16_artifact_with_gemv_is_lossless(tiny_qwen2_dir, tmp_path, monkeypatch):
-    """A bf16 artifact built with ``linear_passes="gemv"`` (decode and spec_step call the
-    op, prefill keeps oneDNN-packed linears): every greedy token, speculative or not, is
-    the reference model's argmax up to bf16 rounding (as tests/test_packed_weights.py)."""
-    import functools
-
+@needs_kernel
+def test_bf16_artifact_with_gemv_is_lossless(tiny_qwen2_dir, tmp_path):
+    """The default bf16 artifact where the kernel builds: ``specc compile`` picks
+    ``gemv`` (decode and spec_step call the op and carry no packed weights, prefill keeps
+    oneDNN-packed linears); every greedy token, speculative or not, is the reference
+    model's argmax up to bf16 rounding (as tests/test_packed_weights.py)."""
     from transformers import AutoModelForCausalLM
 
-    import specc.compiler as compiler
     from helpers import drafter_spec, greedy
     from specc import Session
+    from specc.compiler import compile_artifact
     from test_packed_weights import assert_reference_argmax
 
-    monkeypatch.setattr(compiler, "build_program", functools.partial(compiler.build_program, linear_passes="gemv"))
     cfg = dict(target=str(tiny_qwen2_dir), dtype="bfloat16", max_model_len=96, max_num_seqs=1,
                batch_buckets=[1], speculative_config=drafter_spec("ngram", 3))
-    art = compiler.compile_artifact(cfg, tmp_path / "build", progress=False)
+    art = compile_artifact(cfg, tmp_path / "build", progress=False)
     compiled = Session(str(art), verbose=False)
+    manifest = compiled.artifact.manifest
+    assert manifest["linear_passes"] == "gemv"
+    packed = {p["kind"]: bool(p["packed_constants"]) for p in manifest["programs"]}
+    assert packed == {"prefill": uses_packed_weights(torch.bfloat16, "cpu"), "decode": False, "spec_step": False}
     prompts = [[5, 9, 11, 5, 9, 11, 5, 9], [17, 4, 4, 17, 4, 4, 17]]
     ref = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, torch_dtype=torch.bfloat16).eval()
     for use_speculation in (True, False):

@@ -2,7 +2,8 @@
 
 In a flat FX graph (:func:`specc.passes.signature.export_flat`), every
 ``aten.linear.default(x, W[, b])`` whose input, weight (and bias) are all bf16 or all
-fp32 and whose input has a static row count ``M = prod(x.shape[:-1]) <= max_rows``
+fp32 and whose input has a static row count ``M = prod(x.shape[:-1])`` within the kernel's limit
+(16 rows in bf16, 40 in fp32)
 becomes ``specc.small_m_linear.default(x, W[, b])``: the same ``[..., N]`` result (fp32
 accumulation, one rounding), computed by a kernel that streams the plain ``[N, K]``
 weight once for all rows (bf16: AMX tiles straight from the weight's rows, no packed
@@ -32,10 +33,8 @@ import specc.kernels.small_m_gemv as gemv
 from specc.passes.graph_attrs import fake_val, set_meta
 from specc.passes.small_m_linear import static_rows
 
-__all__ = ["DEFAULT_MAX_ROWS", "DTYPES", "small_m_gemvs"]
+__all__ = ["DTYPES", "small_m_gemvs"]
 
-#: Rows rewritten by default: a chain verify of up to 15 drafts at batch 1.
-DEFAULT_MAX_ROWS = gemv.MAX_ROWS
 #: Dtypes the kernel has a fast path for (input, weight and bias all the same one).
 DTYPES = (torch.bfloat16, torch.float32)
 _LINEAR = torch.ops.aten.linear.default
@@ -48,19 +47,21 @@ def _rows(x: fx.Node) -> int | None:
     return None if shape is None else math.prod(shape[0])
 
 
-def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int | None = None) -> int:
     """Rewrite every bf16 / fp32 ``aten.linear`` over at most ``max_rows`` static rows into
     ``specc::small_m_linear`` (module docstring). Returns how many were rewritten.
 
     Args:
         gm: a flat graph whose nodes carry ``meta["val"]`` (torch.export output).
-        max_rows: the largest M rewritten, ``1 <= max_rows <= MAX_ROWS`` of the kernel.
+        max_rows: the largest M rewritten, capped per dtype by the kernel's limit
+            (:func:`specc.kernels.small_m_gemv.max_rows`: 16 rows in bf16, 40 in fp32);
+            None: that limit.
 
     Raises:
-        ValueError: ``max_rows`` out of range.
+        ValueError: ``max_rows`` below 1.
     """
-    if not 1 <= max_rows <= gemv.MAX_ROWS:
-        raise ValueError(f"max_rows must be in 1..{gemv.MAX_ROWS}, got {max_rows}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     graph = gm.graph
     count = 0
     for node in list(graph.nodes):
@@ -72,7 +73,8 @@ def small_m_gemvs(gm: fx.GraphModule, *, max_rows: int = DEFAULT_MAX_ROWS) -> in
         if any(v is None or v.dtype not in DTYPES or v.dtype != vals[0].dtype for v in vals):
             continue
         m = _rows(x)
-        if m is None or not 1 <= m <= max_rows:
+        limit = gemv.max_rows(vals[0].dtype)
+        if m is None or not 1 <= m <= (limit if max_rows is None else min(max_rows, limit)):
             continue
         with graph.inserting_before(node):
             new = graph.call_function(_OP, (x, w, bias))

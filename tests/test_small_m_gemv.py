@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specc.kernels.small_m_gemv import MAX_ROWS, kernel_available, small_m_linear, small_m_linear_reference
+from specc.kernels.small_m_gemv import (MAX_ROWS, MAX_ROWS_F32, kernel_available, small_m_linear,
+                                        small_m_linear_reference)
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no AVX512_BF16 or no C++ toolchain")
 
@@ -55,10 +56,11 @@ def test_matches_reference_input_ranks(shape):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", list(range(1, MAX_ROWS + 1)))
+@pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), 20, 33, MAX_ROWS_F32, MAX_ROWS_F32 + 1])
 def test_fp32_matches_reference_all_rows(rows):
     """The fp32 path (AVX-512 FMAs, row groups of <= 6, 8/4/1 weight rows a block, masked
-    K tails) against a float64 reference: fp32 summation error only."""
+    K tails) against a float64 reference: fp32 summation error only (41 rows: the
+    reference path)."""
     g = torch.Generator().manual_seed(100 + rows)
     for n, k, bias in [(37, 33, True), (96, 64, False), (131, 576, True), (64, 1, False), (17, 577, True),
                        (9, 1536, False)]:
@@ -77,9 +79,9 @@ def test_fp32_row_independent_of_row_count():
     verify = k+1 rows): greedy speculative output then equals greedy decode exactly."""
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(203, 577, generator=g), torch.randn(203, generator=g)
-    x = torch.randn(MAX_ROWS, 577, generator=g)
+    x = torch.randn(MAX_ROWS_F32, 577, generator=g)
     alone = small_m_linear(x[:1], w, b)
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in range(1, MAX_ROWS_F32 + 1):
         assert torch.equal(small_m_linear(x[:rows], w, b)[:1], alone), rows
 
 

@@ -77,7 +77,11 @@ def test_leaves_fp16_symbolic_and_wide_linears():
     assert small_m_gemvs(gm) == 0 and count(gm, LINEAR) == 2
     gm = export_flat(TwoLinears().eval(), (torch.randn(17, 40).bfloat16(),))
     assert small_m_gemvs(gm) == 0
-    assert small_m_gemvs(gm, max_rows=16) == 0
+    assert small_m_gemvs(gm, max_rows=32) == 0  # capped by the bf16 kernel's 16 rows
+    gm = export_flat(TwoLinears(dtype=torch.float32).eval(), (torch.randn(41, 40),))
+    assert small_m_gemvs(gm) == 0  # past fp32's 40 rows
+    gm = export_flat(TwoLinears(dtype=torch.float32).eval(), (torch.randn(8, 5, 40),))
+    assert small_m_gemvs(gm, max_rows=16) == 0 and small_m_gemvs(gm) == 2  # 40 rows: the fp32 limit
     gm = export_flat(TwoLinears().eval(), (torch.randn(1, 6, 40).bfloat16(),),
                      ({1: torch.export.Dim("t", min=2, max=32)},))
     assert small_m_gemvs(gm) == 0

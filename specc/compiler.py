@@ -373,8 +373,8 @@ def apply_linear_passes(gm, which: str = DEFAULT_LINEAR_PASSES) -> None:
       pass) and on the 49152-row lm_head (15 vs 8 ms): not the default; kept for the
       benchmarks (docs/compile.md, "Verify cost").
     * ``"gemv"`` (what ``specc compile`` picks on CPUs where the kernel builds,
-      :func:`default_linear_passes`): fusion, then fp32 and bf16 linears over at most 16
-      static rows (decode and step programs; not the prefill chunk) through
+      :func:`default_linear_passes`): fusion, then bf16 linears over at most 16 and fp32
+      ones over at most 40 static rows (decode and step programs; not the prefill chunk) through
       ``specc::small_m_linear`` (:mod:`~specc.passes.small_m_gemv`: weights stay plain
       ``[N, K]``, each streamed once for all rows); the others stay ``aten.linear``
       (MKL; in bf16 freezing packs them for oneDNN). Measured in docs/compile.md,

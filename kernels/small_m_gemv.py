@@ -10,7 +10,7 @@ Why: a (k+1)-row verify reads the same weights as a one-row decode step, so on a
 memory-bound CPU it should cost about the same. MKL's fp32 GEMM over 5 rows costs ~2x
 its one-row sgemv (it is built for large M), and oneDNN's bf16 linear pays ~30 us a call.
 The C++ kernel (``small_m_gemv.cpp``, its header comment has the algorithm) streams ``W``
-once against all ``M <= 16`` rows held in L1: bf16 through AMX tiles taken straight from
+once against all its rows (up to 16 in bf16, 40 in fp32) held in L1: bf16 through AMX tiles taken straight from
 the weight's rows (AVX512_BF16 dot products for tails), fp32 through AVX-512 FMAs with
 the horizontal sums done 16 at a time and an L2 + L1 prefetch; a 5-row fp32 call costs
 ~1.1x a one-row call (docs/compile.md, "fp32 few-row linears").

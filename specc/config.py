@@ -263,7 +263,7 @@ class SpeculativeConfig(BaseModel):
                 f"the dynamic tree (depth {t.depth}, topk {t.topk}) proposes {t.num_candidates} candidates, fewer "
                 f"than the {self.num_speculative_tokens} tree nodes asked for; lower num_speculative_tokens or "
                 "raise depth / topk", self.num_speculative_tokens)
-        elif self.method == "draft_model":
+        if self.method == "draft_model":
             if (self.model is None) == (self.num_draft_layers is None):
                 both = self.model is not None
                 raise _FieldError(

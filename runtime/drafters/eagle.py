@@ -45,6 +45,8 @@ tree forward over a per-row tree chosen by cumulative head probability.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specc.models.eagle import EagleHeadBase
@@ -53,6 +55,9 @@ from specc.runtime.drafters.base import Proposal, Proposer, StepBatch
 from specc.runtime.request import Request
 from specc.runtime.sampling import process_logits, sample_draft
 from specc.runtime.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from specc.config import DynamicTreeConfig
 
 __all__ = ["EagleProposer", "EagleState"]
 
@@ -123,8 +128,9 @@ class EagleProposer(Proposer):
         num_slots, max_model_len: as the target's KV cache (the head's cache and feature
             buffer have the same slots and length).
         tree: a static token tree to draft each step (None: a chain of k).
-        dynamic_tree: ``(depth, topk)``: EAGLE-2's dynamic tree of k nodes instead
-            (:meth:`_propose_dynamic`).
+        dynamic_tree: ``speculative_config.eagle_dynamic_tree``
+            (:class:`specc.config.DynamicTreeConfig`: ``depth``, ``topk``): EAGLE-2's
+            dynamic tree of k nodes instead (:meth:`_propose_dynamic`).
 
     Raises:
         ValueError: ``tree`` with other than ``num_speculative_tokens`` nodes; both trees;
@@ -132,18 +138,16 @@ class EagleProposer(Proposer):
     """
 
     def __init__(self, head: EagleHeadBase, num_speculative_tokens: int, num_slots: int, max_model_len: int,
-                 tree: TokenTree | None = None, dynamic_tree: tuple[int, int] | None = None):
+                 tree: TokenTree | None = None, dynamic_tree: DynamicTreeConfig | None = None):
         super().__init__(num_speculative_tokens)
         if tree is not None and tree.num_drafts != num_speculative_tokens:
             raise ValueError(f"a token tree of {tree.num_drafts} nodes for num_speculative_tokens = "
                              f"{num_speculative_tokens}: they must be equal")
         if tree is not None and dynamic_tree is not None:
             raise ValueError("a static tree and a dynamic tree: give one")
-        if dynamic_tree is not None:
-            depth, topk = dynamic_tree
-            if depth < 1 or topk < 1 or topk + (depth - 1) * topk * topk < num_speculative_tokens:
-                raise ValueError(f"dynamic tree depth {depth}, topk {topk}: its {topk + (depth - 1) * topk ** 2} "
-                                 f"candidates cannot hold {num_speculative_tokens} nodes")
+        if dynamic_tree is not None and dynamic_tree.num_candidates < num_speculative_tokens:
+            raise ValueError(f"dynamic tree depth {dynamic_tree.depth}, topk {dynamic_tree.topk}: its "
+                             f"{dynamic_tree.num_candidates} candidates cannot hold {num_speculative_tokens} nodes")
         self.tree = tree
         self.dynamic_tree = dynamic_tree
         self.head = head
@@ -316,7 +320,7 @@ class EagleProposer(Proposer):
             a tree :class:`Proposal`: ``[B, k]`` tokens and per-row ``parents``.
         """
         assert self.dynamic_tree is not None
-        depth, e = self.dynamic_tree
+        depth, e = self.dynamic_tree.depth, self.dynamic_tree.topk
         B, k, dev = batch.size, self.num_speculative_tokens, self.features.device
         n = torch.tensor([r.num_computed for r in batch.requests], device=dev)
         h = self._catch_up(batch)[:, None]                                   # [B, 1, H] the root

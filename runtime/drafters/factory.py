@@ -75,7 +75,7 @@ def build_proposer(config: SpeccConfig, target: LoadedModel, target_cache: KVCac
         head = load_eagle_head(spec.model, target.model, method=spec.method,
                                layer_ids=spec.eagle_aux_hidden_state_layer_ids)
         return EagleProposer(head, k, target_cache.num_slots, target_cache.max_model_len, tree=spec.token_tree,
-                             dynamic_tree=None if (t := spec.eagle_dynamic_tree) is None else (t.depth, t.topk))
+                             dynamic_tree=spec.eagle_dynamic_tree)
     raise ConfigError(f"speculative_config.method = {spec.method!r} is not implemented yet")
 
 
